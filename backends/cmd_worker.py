@@ -1,0 +1,60 @@
+"""`kvroute worker`: parse the worker's flags and hand over to the engine's entry point.
+
+Owns the command line only. `--engine sim` runs the simulator in this process
+(backends.sim.server.main); `--engine vllm|turbomind` runs the supervisor around the
+engine's own OpenAI server (backends.worker.main). Arguments after `--` go to the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", required=True, choices=["sim", "vllm", "turbomind"])
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8100, help="port of the worker's OpenAI server; 0 = any free port")
+    p.add_argument("--advertise-url", default=None,
+                   help="URL the proxy should use to reach this worker (default http://HOST:PORT)")
+    p.add_argument("--served-model-name", default=None, help="model name clients ask for")
+    p.add_argument("--proxy-url", default=os.environ.get("KVROUTE_PROXY_URL"),
+                   help="register with this proxy and report load to it (env KVROUTE_PROXY_URL); "
+                        "without it the worker runs standalone")
+    p.add_argument("--proxy-token", default=os.environ.get("KVROUTE_WORKER_TOKEN"),
+                   help="worker token for the proxy's control plane (env KVROUTE_WORKER_TOKEN)")
+    p.add_argument("--worker-id", default=os.environ.get("KVROUTE_WORKER_ID"),
+                   help="stable id to register under (env KVROUTE_WORKER_ID)")
+    p.add_argument("--drain-grace-s", type=float, default=30.0,
+                   help="on SIGTERM, how long to wait for in-flight requests before stopping")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    sim = p.add_argument_group("sim engine")
+    sim.add_argument("--preset", default="cpu-tiny", help="hardware/model preset (see backends/sim/presets.py)")
+    sim.add_argument("--kv-capacity-tokens", type=int, default=None, help="KV cache size in tokens (preset's if unset)")
+    sim.add_argument("--block-size", type=int, default=None, help="tokens per KV block (preset's if unset)")
+    sim.add_argument("--max-num-seqs", type=int, default=None)
+    sim.add_argument("--max-num-batched-tokens", type=int, default=None)
+    sim.add_argument("--time-scale", type=float, default=1.0,
+                     help="simulated seconds per wall second; 10 runs ten times faster than real time")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--fail-rate", type=float, default=0.0, help="fraction of requests answered with HTTP 500")
+    sim.add_argument("--crash-after", type=int, default=None, help="exit abruptly after N requests")
+    sim.add_argument("--stall-after", type=int, default=None, help="stop producing tokens after N requests")
+    sim.add_argument("--slow-start", type=float, default=0.0, help="seconds before the server starts listening")
+
+    eng = p.add_argument_group("vllm / turbomind engines")
+    eng.add_argument("--model", default=None, help="checkpoint path")
+    eng.add_argument("--gpus", default=None, help="GPU ids, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES and tensor parallel size)")
+    eng.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when --gpus is given")
+    eng.add_argument("--engine-port", type=int, default=None, help="port of the engine's own server (default: free)")
+    eng.add_argument("--startup-timeout-s", type=float, default=600.0)
+    p.add_argument("engine_args", nargs=argparse.REMAINDER, help="-- then arguments passed to the engine unchanged")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.engine_args and args.engine_args[0] == "--":
+        args.engine_args = args.engine_args[1:]
+    module = "backends.sim.server" if args.engine == "sim" else "backends.worker"
+    return int(importlib.import_module(module).main(args) or 0)

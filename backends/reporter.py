@@ -1,0 +1,146 @@
+"""The worker's side of the control path: register with the proxy, report load at >= 4 Hz, deregister.
+
+Engine-agnostic: an engine adapter hands it a `LoadSource` (an async callable that
+returns the current load); this module owns retries, re-registration and the report
+cadence, not how the load is measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from proxy.protocol import REPORT_INTERVAL_S, LoadReport, WorkerRegistration
+
+log = logging.getLogger("kvroute.reporter")
+
+
+@dataclass
+class Load:
+    """One reading of an engine's load, as the adapter measured it."""
+
+    kv_cache_usage: float
+    num_running: int
+    num_waiting: int
+    prefix_cache_hit_rate: float = 0.0
+    kv_capacity_tokens: int | None = None  # None: keep the registration's value
+
+
+LoadSource = Callable[[], Awaitable[Load]]
+
+
+class ProxyReporter:
+    """Keeps one worker registered with one proxy and feeds it load reports.
+
+    Registration is retried with capped exponential backoff for as long as the worker
+    lives (LMDeploy registers once and gives up; we do not). A report answered 404 means
+    the proxy forgot us (it restarted, or an operator removed us): register again.
+    """
+
+    def __init__(self, proxy_url: str, registration: WorkerRegistration, load_source: LoadSource,
+                 token: str | None = None, interval_s: float = REPORT_INTERVAL_S) -> None:
+        self.proxy_url = proxy_url.rstrip("/")
+        self.registration = registration
+        self.load_source = load_source
+        self.interval_s = interval_s
+        self.state = "ready"
+        self.worker_id: str | None = registration.worker_id
+        self.registered = asyncio.Event()
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._seq = 0
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=5, connect=2)
+        self._session = aiohttp.ClientSession(timeout=timeout, headers=self._headers)
+        self._task = asyncio.create_task(self._run(), name="kvroute-reporter")
+
+    async def _register(self) -> None:
+        assert self._session is not None
+        backoff = 0.2
+        while True:
+            try:
+                async with self._session.post(f"{self.proxy_url}/workers",
+                                              json=self.registration.model_dump(mode="json")) as resp:
+                    if resp.status == 200:
+                        body = await resp.json()
+                        self.worker_id = body["worker_id"]
+                        self.interval_s = min(self.interval_s, float(body.get("report_interval_s", self.interval_s)))
+                        log.info("registered with %s as %s", self.proxy_url, self.worker_id)
+                        self.registered.set()
+                        return
+                    text = await resp.text()
+                    log.warning("proxy refused registration (%s): %s", resp.status, text[:200])
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                log.info("proxy %s not reachable yet (%s); retrying in %.1fs", self.proxy_url, exc, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    async def _send_report(self) -> bool:
+        """Send one report; False when the proxy no longer knows this worker."""
+        assert self._session is not None and self.worker_id is not None
+        load = await self.load_source()
+        self._seq += 1
+        report = LoadReport(
+            worker_id=self.worker_id, url=self.registration.url, models=self.registration.models,
+            engine=self.registration.engine, state=self.state,  # type: ignore[arg-type]
+            kv_cache_usage=min(max(load.kv_cache_usage, 0.0), 1.0),
+            kv_capacity_tokens=load.kv_capacity_tokens or self.registration.kv_capacity_tokens or 0,
+            num_running=load.num_running, num_waiting=load.num_waiting,
+            prefix_cache_hit_rate=min(max(load.prefix_cache_hit_rate, 0.0), 1.0),
+            seq=self._seq, sent_at=time.time(),
+        )
+        async with self._session.post(f"{self.proxy_url}/workers/{self.worker_id}/report",
+                                      data=report.model_dump_json(),
+                                      headers={"Content-Type": "application/json"}) as resp:
+            if resp.status == 404:
+                return False
+            if resp.status >= 400:
+                log.warning("report rejected (%s): %s", resp.status, (await resp.text())[:200])
+        return True
+
+    async def _run(self) -> None:
+        await self._register()
+        while True:
+            started = time.monotonic()
+            try:
+                if not await self._send_report():
+                    log.warning("proxy no longer knows %s; registering again", self.worker_id)
+                    self.registered.clear()
+                    await self._register()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                log.debug("report failed: %s", exc)
+            except Exception:  # a broken load source must not stop the reports for good
+                log.exception("load source failed")
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    async def set_state(self, state: str) -> None:
+        """Change the reported state (e.g. 'draining') and tell the proxy at once."""
+        self.state = state
+        if self.worker_id and self._session and self.registered.is_set():
+            try:
+                await self._send_report()
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+
+    async def stop(self, deregister: bool = True) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if deregister and self._session and self.worker_id and self.registered.is_set():
+            try:
+                async with self._session.delete(f"{self.proxy_url}/workers/{self.worker_id}") as resp:
+                    log.info("deregistered %s (%s)", self.worker_id, resp.status)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                log.info("could not deregister: %s", exc)
+        if self._session:
+            await self._session.close()

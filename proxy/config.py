@@ -1,0 +1,258 @@
+"""config.yaml: the pydantic schema of a fleet and a loader that reports errors by key path and line.
+
+Owns parsing, `${VAR}` / `${VAR:-default}` interpolation and validation; it does not
+start anything. Every error reads like "models[1].replicas (line 14): must be >= 0".
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+PolicyName = str  # validated against proxy.routing's registry by the proxy at start-up
+EngineKind = Literal["vllm", "turbomind", "sim"]
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key path and line of each problem."""
+
+    def __init__(self, problems: list[str], source: str = "config") -> None:
+        self.problems = problems
+        super().__init__(f"{source}: " + "; ".join(problems) if len(problems) == 1
+                         else f"{source}:\n  " + "\n  ".join(problems))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Timeouts(_Strict):
+    connect_s: float = Field(5.0, gt=0)
+    first_byte_s: float = Field(300.0, gt=0, description="request sent -> first response byte")
+    idle_s: float = Field(120.0, gt=0, description="longest silence between two streamed chunks")
+
+
+class AdmissionQueue(_Strict):
+    max_length: int = Field(256, ge=0, description="requests waiting per model before 429")
+    max_wait_s: float = Field(30.0, gt=0, description="longest wait in the queue before 503")
+
+
+class StaticWorker(_Strict):
+    url: str
+    models: list[str] = Field(default_factory=list, description="empty: probe the worker's /v1/models")
+    engine: Literal["vllm", "turbomind", "pytorch", "sim", "unknown"] = "unknown"
+
+
+class ProxyConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    policy: PolicyName = "kv_aware"
+    admin_token: str | None = None
+    worker_token: str | None = None
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    retries: int = Field(2, ge=0, le=10)
+    kv_high_water: float = Field(0.9, gt=0, le=1.0)
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    queue: AdmissionQueue = Field(default_factory=AdmissionQueue)
+    static_workers: list[StaticWorker] = Field(default_factory=list)
+    drain_grace_s: float = Field(30.0, ge=0)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class StateConfig(_Strict):
+    url: str = Field("memory", description="'memory' or redis://host:port/db")
+    ray_address: str | None = Field(None, description="Ray cluster for placement: ray (e.g. 'auto')")
+
+    @field_validator("url")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        if v != "memory" and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be 'memory' or a redis:// URL")
+        return v
+
+
+EngineArgs = dict[str, str | int | float | bool | list[str | int | float] | None] | list[str]
+
+
+class ModelConfig(_Strict):
+    name: str = Field(..., min_length=1)
+    aliases: list[str] = Field(default_factory=list)
+    engine: EngineKind
+    model: str | None = Field(None, description="checkpoint path or id; sim: optional")
+    replicas: int = Field(1, ge=0)
+    gpus_per_replica: int = Field(0, ge=0)
+    placement: Literal["local", "ray"] = "local"
+    device: Literal["cuda", "cpu"] = "cuda"
+    engine_args: EngineArgs = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict)
+    policy: PolicyName | None = None
+    preset: str | None = Field(None, description="sim engine: hardware/model preset")
+    startup_timeout_s: float = Field(600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _engine_needs(self) -> ModelConfig:
+        if self.engine in ("vllm", "turbomind") and not self.model:
+            raise ValueError(f"engine {self.engine} needs 'model' (a checkpoint path)")
+        if self.engine == "turbomind" and self.device != "cuda":
+            raise ValueError("engine turbomind runs only on device cuda")
+        if self.device == "cuda" and self.engine != "sim" and self.gpus_per_replica < 1:
+            raise ValueError("device cuda needs gpus_per_replica >= 1")
+        return self
+
+    def engine_arg_list(self) -> list[str]:
+        """engine_args as command-line flags: {max-num-seqs: 8, enforce-eager: true} -> [...]."""
+        if isinstance(self.engine_args, list):
+            return list(self.engine_args)
+        out: list[str] = []
+        for key, value in self.engine_args.items():
+            flag = "--" + key.replace("_", "-")
+            if value is None or value is False:
+                continue
+            if value is True:
+                out.append(flag)
+            elif isinstance(value, list):
+                out += [flag, *(str(v) for v in value)]
+            else:
+                out += [flag, str(value)]
+        return out
+
+
+class FleetConfig(_Strict):
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
+    state: StateConfig = Field(default_factory=StateConfig)
+    models: list[ModelConfig] = Field(default_factory=list)
+
+    @field_validator("state", mode="before")
+    @classmethod
+    def _state_shorthand(cls, v: Any) -> Any:
+        return {"url": v} if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> FleetConfig:
+        seen: dict[str, str] = {}
+        for m in self.models:
+            for name in [m.name, *m.aliases]:
+                if name in seen:
+                    raise ValueError(f"model name or alias '{name}' is used by both {seen[name]} and {m.name}")
+                seen[name] = m.name
+        return self
+
+    def model(self, name_or_alias: str) -> ModelConfig | None:
+        for m in self.models:
+            if name_or_alias == m.name or name_or_alias in m.aliases:
+                return m
+        return None
+
+
+# --- loading -----------------------------------------------------------------------------
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _interpolate(text: str, env: dict[str, str], path: str, line: int, problems: list[str]) -> str:
+    def sub(match: re.Match[str]) -> str:
+        name, default = match.group(1), match.group(2)
+        if name in env:
+            return env[name]
+        if default is not None:
+            return default
+        problems.append(f"{path} (line {line}): environment variable {name} is not set and has no default")
+        return ""
+
+    return _VAR.sub(sub, text)
+
+
+def _to_python(node: yaml.Node, path: str, lines: dict[str, int], env: dict[str, str],
+               problems: list[str]) -> Any:
+    """Turn a composed YAML node into plain data, recording the line of every key path."""
+    lines[path] = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        out: dict[Any, Any] = {}
+        for key_node, value_node in node.value:
+            key = key_node.value
+            child = f"{path}.{key}" if path else str(key)
+            if key in out:
+                problems.append(f"{child} (line {key_node.start_mark.line + 1}): duplicate key")
+            out[key] = _to_python(value_node, child, lines, env, problems)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_to_python(v, f"{path}[{i}]", lines, env, problems) for i, v in enumerate(node.value)]
+    assert isinstance(node, yaml.ScalarNode)
+    value = yaml.SafeLoader("").construct_object(node, deep=True)
+    if isinstance(value, str) and "${" in value:
+        value = _interpolate(value, env, path, lines[path], problems)
+        if not node.style:  # a plain scalar takes its type after substitution: "${N:-8}" -> 8
+            value = yaml.safe_load(value) if value.strip() else ""
+    return value
+
+
+def _error_path(loc: tuple[Any, ...]) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "none")):
+            continue  # pydantic's union-branch labels ("list[str]", "str") are noise to a reader
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def _line_for(path: str, lines: dict[str, int]) -> int | None:
+    while path:
+        if path in lines:
+            return lines[path]
+        path = re.sub(r"(\.[^.\[]+|\[\d+\])$", "", path)
+    return lines.get("")
+
+
+def parse_config(text: str, source: str = "config", env: dict[str, str] | None = None) -> FleetConfig:
+    """Parse YAML text into a FleetConfig, or raise ConfigError naming path and line."""
+    env = dict(os.environ) if env is None else env
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "?"
+        raise ConfigError([f"({where}): invalid YAML: {getattr(exc, 'problem', exc)}"], source) from None
+    if root is None:
+        return FleetConfig()
+    if not isinstance(root, yaml.MappingNode):
+        raise ConfigError([f"(line {root.start_mark.line + 1}): the top level must be a mapping"], source)
+    lines: dict[str, int] = {}
+    problems: list[str] = []
+    data = _to_python(root, "", lines, env, problems)
+    if problems:
+        raise ConfigError(problems, source)
+    try:
+        return FleetConfig.model_validate(data)
+    except ValidationError as exc:
+        for err in exc.errors():
+            path = _error_path(err["loc"])
+            line = _line_for(path, lines)
+            msg = err["msg"]
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key"
+            elif msg.startswith("Value error, "):
+                msg = msg[len("Value error, "):]
+            elif err["type"] in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
+                msg = (msg.replace("Input should be", "must be").replace("greater than or equal to", ">=")
+                       .replace("less than or equal to", "<=").replace("greater than", ">").replace("less than", "<"))
+            where = f"{path} (line {line})" if path else f"(line {line})"
+            problems.append(f"{where}: {msg}")
+        raise ConfigError(list(dict.fromkeys(problems)), source) from None
+
+
+def load_config(path: str | os.PathLike[str], env: dict[str, str] | None = None) -> FleetConfig:
+    """Read and parse a config file (blocking file I/O: call at start-up or via a thread)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError([f"cannot read: {exc.strerror}"], str(p)) from None
+    return parse_config(text, source=str(p), env=env)

@@ -1,0 +1,66 @@
+"""The wire schema between workers and the proxy: registration and load reports.
+
+Owns only data shapes (pydantic) and their JSON names; workers import it too, so it
+must not import anything else from the proxy.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Engines a worker may say it runs. "pytorch" is LMDeploy's PyTorch engine, which
+# LMDeploy falls back to when TurboMind lacks the model (Qwen3-VL as of 0.18).
+EngineName = Literal["vllm", "turbomind", "pytorch", "sim", "unknown"]
+WorkerReportedState = Literal["starting", "ready", "draining", "failed"]
+
+# Workers send a load report at least this often (DESIGN.md: 4 Hz or more).
+REPORT_INTERVAL_S = 0.25
+# The proxy marks a worker stale when no report arrived for this long.
+STALE_AFTER_S = 2.0
+
+WORKER_TOKEN_HEADER = "Authorization"  # "Bearer <token>", for /workers and reports
+
+
+class WorkerRegistration(BaseModel):
+    """Body of `POST /workers`: a worker announcing itself."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    worker_id: str | None = Field(None, description="stable id; the proxy makes one from the url if absent")
+    url: str = Field(..., description="base URL the proxy forwards to, e.g. http://10.0.0.5:8101")
+    models: list[str] = Field(..., min_length=1)
+    engine: EngineName = "unknown"
+    kv_capacity_tokens: int | None = Field(None, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    gpus: list[str] = Field(default_factory=list, description="device ids the worker holds, as strings")
+    reports: bool = Field(True, description="False: the proxy scrapes /metrics instead of waiting for reports")
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class RegistrationAccepted(BaseModel):
+    """Answer to `POST /workers`."""
+
+    worker_id: str
+    report_interval_s: float = REPORT_INTERVAL_S
+
+
+class LoadReport(BaseModel):
+    """Body of `POST /workers/{id}/report`, sent at >= 4 Hz (DESIGN.md's schema)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    worker_id: str
+    url: str
+    models: list[str]
+    engine: EngineName = "unknown"
+    state: WorkerReportedState = "ready"
+    kv_cache_usage: float = Field(..., ge=0.0, le=1.0)
+    kv_capacity_tokens: int = Field(..., ge=0)
+    num_running: int = Field(..., ge=0)
+    num_waiting: int = Field(..., ge=0)
+    prefix_cache_hit_rate: float = Field(0.0, ge=0.0, le=1.0)
+    seq: int = Field(..., ge=0, description="monotonic per worker; older reports are ignored")
+    sent_at: float = Field(default_factory=time.time, description="unix seconds at the worker")
