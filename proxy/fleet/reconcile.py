@@ -1,0 +1,263 @@
+"""The fleet manager: keeps the running replicas equal to the desired config (the file, `apply`, `scale`).
+
+Owns the diff between desired and running (start missing, drain extra, rolling restart on a spec
+change), GPU bookkeeping across replicas, and watching the proxy's registry for readiness. It
+does not know how a process is started (placement/) or how one replica is supervised (supervisor.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from proxy.config import FleetConfig, ModelConfig
+from proxy.fleet.gpus import GpuDemand, GpuPool, plan_assignment
+from proxy.fleet.launcher import WorkerLaunch, spec_fingerprint, worker_id_for
+from proxy.fleet.placement.base import Placement
+from proxy.fleet.proxyclient import ProxyControl, record_state
+from proxy.fleet.supervisor import FAILED, READY, Replica, RestartPolicy
+
+log = logging.getLogger("kvroute.fleet")
+
+REGISTRY_POLL_S = 0.5
+
+
+def local_gpu_demands(config: FleetConfig) -> list[GpuDemand]:
+    """GPUs this machine must provide: local replicas that run on CUDA (Ray models get theirs from Ray)."""
+    return [GpuDemand(m.name, m.replicas, m.gpus_per_replica) for m in config.models
+            if m.placement == "local" and m.device == "cuda" and m.gpus_per_replica > 0]
+
+
+class FleetManager:
+    def __init__(self, config: FleetConfig, *, proxy_url: str, control: ProxyControl,
+                 placements: dict[str, Placement] | Callable[[str], Placement], gpus: GpuPool,
+                 restart_policy: RestartPolicy | None = None, log_level: str = "info") -> None:
+        self.desired = config
+        self.proxy_url = proxy_url
+        self.control = control
+        self._placements = placements
+        self.gpus = gpus
+        self.restart_policy = restart_policy or RestartPolicy()
+        self.log_level = log_level
+        self.replicas: dict[str, Replica] = {}  # every worker we own, draining ones included
+        self.last_error: str | None = None
+        self.applied_at: float | None = None
+        self.generation = 0  # bumped on every accepted desired state
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._reconciled_generation = -1
+        self._closing = False
+        self._retry: set[str] = set()
+        self._tick = asyncio.Event()  # set after every registry poll
+
+    # --- desired state ---------------------------------------------------------------------
+
+    def check(self, config: FleetConfig) -> None:
+        """Raise GpuAssignmentError if `config` cannot run here (checked before it is accepted)."""
+        plan_assignment(local_gpu_demands(config), self.gpus.gpus, self.gpus.source)
+
+    def apply(self, config: FleetConfig) -> dict[str, Any]:
+        """Accept a new desired state and reconcile towards it in the background; returns the plan."""
+        self.check(config)
+        before = {m.name: m for m in self.desired.models}
+        plan: dict[str, Any] = {}
+        for m in config.models:
+            old = before.pop(m.name, None)
+            if old is None:
+                plan[m.name] = f"add {m.replicas} replica(s)"
+            elif spec_fingerprint(old) != spec_fingerprint(m):
+                plan[m.name] = f"rolling restart to the new spec, {old.replicas} -> {m.replicas} replica(s)"
+            elif old.replicas != m.replicas:
+                plan[m.name] = f"scale {old.replicas} -> {m.replicas}"
+            else:
+                plan[m.name] = "unchanged"
+        for name in before:
+            plan[name] = "remove (drain all replicas)"
+        if config.proxy != self.desired.proxy:
+            plan["proxy"] = "proxy settings changed: they take effect when `kvroute up` restarts"
+        self.desired = config
+        self.generation += 1
+        # An explicit apply retries replicas that gave up after a crash loop.
+        self._retry |= {r.worker_id for r in self.replicas.values() if r.state == FAILED}
+        self.applied_at = time.time()
+        self._wake.set()
+        log.info("new desired state: %s", plan)
+        return plan
+
+    def scale(self, model: str, replicas: int) -> dict[str, Any]:
+        m = self.desired.model(model)
+        if m is None:
+            raise KeyError(model)
+        models = [mm.model_copy(update={"replicas": replicas}) if mm is m else mm for mm in self.desired.models]
+        return self.apply(self.desired.model_copy(update={"models": models}))
+
+    # --- running ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._reconcile_loop(), name="fleet-reconcile"),
+                       asyncio.create_task(self._watch_registry(), name="fleet-registry")]
+        self._wake.set()
+
+    def placement(self, name: str) -> Placement:
+        if callable(self._placements):
+            return self._placements(name)
+        return self._placements[name]
+
+    def _current(self, model: str) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.model_name == model and r.state not in ("draining", "stopped")]
+
+    def all_ready(self) -> bool:
+        want = sum(m.replicas for m in self.desired.models)
+        ready = [r for r in self.replicas.values() if r.ready]
+        fresh = all(r.fingerprint == spec_fingerprint(m) for r in ready if (m := self.desired.model(r.model_name)))
+        return self._reconciled_generation == self.generation and len(ready) == want and fresh
+
+    def any_failed(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.state == FAILED]
+
+    async def _reconcile_loop(self) -> None:
+        while not self._closing:
+            await self._wake.wait()
+            self._wake.clear()
+            generation = self.generation
+            try:
+                await self._reconcile_once(self.desired)
+                self._reconciled_generation = generation
+            except Exception as exc:  # keep the fleet manager alive; the next trigger retries
+                log.exception("reconcile failed")
+                self.last_error = f"reconcile failed: {exc}"
+
+    async def _reconcile_once(self, config: FleetConfig) -> None:
+        wanted = {m.name: m for m in config.models}
+        stops = [r for r in self.replicas.values() if r.model_name not in wanted and r.state not in ("draining", "stopped")]
+        rolling: list[tuple[ModelConfig, Replica]] = []
+        for m in config.models:
+            fp = spec_fingerprint(m)
+            current = self._current(m.name)
+            by_index = {r.index: r for r in current}
+            # Extra replicas go first, failed or unready ones before serving ones.
+            extra = sorted((r for r in current if r.index >= m.replicas), key=lambda r: (r.ready, r.index))
+            stops += extra
+            for i in range(m.replicas):
+                r = by_index.get(i)
+                if r is None:
+                    self._spawn(m, i)
+                elif r.worker_id in self._retry and r.fingerprint == fp:
+                    self._retry.discard(r.worker_id)
+                    await self._stop(r)
+                    self._spawn(m, i)
+                elif r.fingerprint != fp:
+                    rolling.append((m, r))
+        if stops:
+            await asyncio.gather(*(self._stop(r) for r in stops))
+        for m, old in rolling:
+            if self.desired is not config:
+                return  # a newer desired state arrived: start over from it (the loop is woken)
+            await self._replace(m, old)
+
+    def _spawn(self, m: ModelConfig, index: int) -> Replica:
+        generation = 0
+        while worker_id_for(m.name, index, generation) in self.replicas:
+            generation += 1
+        wid = worker_id_for(m.name, index, generation)
+        gpus: list[str] | None = None
+        if m.placement == "local":
+            count = m.gpus_per_replica if m.device == "cuda" else 0
+            gpus = self.gpus.allocate(count, wid)  # GpuAssignmentError propagates: nothing started
+        launch = WorkerLaunch(worker_id=wid, model=m, proxy_url=self.proxy_url, gpus=gpus,
+                              drain_grace_s=self.desired.proxy.drain_grace_s,
+                              worker_token=self.desired.proxy.worker_token, log_level=self.log_level)
+        r = Replica(launch, index, generation, spec_fingerprint(m), self.placement(m.placement), self.restart_policy)
+        self.replicas[wid] = r
+        r.start()
+        log.info("starting %s (gpus %s)", wid, gpus if gpus is not None else "from placement")
+        return r
+
+    async def _stop(self, r: Replica) -> None:
+        grace = self.desired.proxy.drain_grace_s
+        await r.stop(grace, drain=lambda: self.control.drain(r.worker_id))
+        await self.control.deregister(r.worker_id)  # a crashed worker could not do it itself
+        self.gpus.release(r.worker_id)
+        self.replicas.pop(r.worker_id, None)
+        log.info("stopped %s", r.worker_id)
+
+    async def _replace(self, m: ModelConfig, old: Replica) -> None:
+        """Rolling restart of one replica: the new one serves before the old one drains (capacity kept),
+        unless the GPUs for both do not exist, then the old one goes first."""
+        need = m.gpus_per_replica if m.placement == "local" and m.device == "cuda" else 0
+        if need and not self.gpus.can_allocate([need]):
+            log.warning("%s: no spare GPUs to start its replacement first; restarting in place", old.worker_id)
+            await self._stop(old)
+            self._spawn(m, old.index)
+            return
+        new = self._spawn(m, old.index)
+        await self.until(lambda: new.ready or new.state == FAILED or self._closing, m.startup_timeout_s)
+        if new.ready:
+            await self._stop(old)
+            return
+        self.last_error = f"{new.worker_id} did not become ready ({new.last_error or 'timeout'}); kept {old.worker_id}"
+        log.error(self.last_error)
+        await self._stop(new)
+
+    async def _watch_registry(self) -> None:
+        while not self._closing:
+            try:
+                workers = await self.control.workers()
+            except Exception as exc:  # the proxy may be starting or restarting: keep the last view
+                log.debug("registry poll failed: %s", exc)
+            else:
+                for r in list(self.replicas.values()):
+                    rec = workers.get(r.worker_id)
+                    r.observe_registry(record_state(rec) if rec else None)
+            tick, self._tick = self._tick, asyncio.Event()
+            tick.set()
+            await asyncio.sleep(REGISTRY_POLL_S)
+
+    async def until(self, predicate: Callable[[], bool], within_s: float) -> bool:
+        """Wait (re-checking after every registry poll) until `predicate()` holds; its final value."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                while not predicate():
+                    await self._tick.wait()
+        return predicate()
+
+    async def wait_ready(self, within_s: float) -> bool:
+        return await self.until(self.all_ready, within_s)
+
+    async def shutdown(self, drain: bool = True) -> None:
+        """Drain and stop every worker (drain=False: kill at once), then stop the background tasks."""
+        self._closing = True
+        self._wake.set()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        replicas = list(self.replicas.values())
+        if drain:
+            await asyncio.gather(*(self._stop(r) for r in replicas), return_exceptions=True)
+        else:
+            await asyncio.gather(*(r.kill() for r in replicas), return_exceptions=True)
+        self.replicas.clear()
+
+    async def kill_all(self) -> None:
+        await asyncio.gather(*(r.kill() for r in list(self.replicas.values())), return_exceptions=True)
+
+    # --- views -----------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        models = []
+        for m in self.desired.models:
+            rs = [r for r in self.replicas.values() if r.model_name == m.name]
+            models.append({"name": m.name, "aliases": m.aliases, "engine": m.engine, "placement": m.placement,
+                           "desired_replicas": m.replicas, "gpus_per_replica": m.gpus_per_replica,
+                           "ready": sum(r.state == READY for r in rs), "failed": sum(r.state == FAILED for r in rs),
+                           "fingerprint": spec_fingerprint(m)})
+        return {"models": models, "replicas": [r.snapshot() for r in self.replicas.values()],
+                "gpus": {"visible": self.gpus.gpus, "free": self.gpus.free(), "source": self.gpus.source},
+                "converged": self.all_ready(), "last_error": self.last_error, "applied_at": self.applied_at}
+
