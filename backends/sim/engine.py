@@ -1,0 +1,118 @@
+"""The sim engine's loop: runs the scheduler step by step in simulated time and delivers tokens.
+
+Owns the clock (simulated seconds = wall seconds x time scale, with each step taking exactly
+cost.py's step time), request submission/abort, and per-request token queues. It does not parse
+HTTP (server.py) or decide batches (scheduler.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from backends.sim.cost import step_time_s
+from backends.sim.kvcache import KVCache
+from backends.sim.presets import Preset
+from backends.sim.scheduler import Scheduler, SimRequest, TokenEvent
+
+log = logging.getLogger("kvroute.sim.engine")
+
+
+class SimEngine:
+    """A simulated vLLM engine: continuous batching over a paged KV cache, in simulated time.
+
+    Time: `now()` is wall time since start times `time_scale`. A step that starts at simulated
+    time t ends at t + step_time, and the loop sleeps until the wall clock reaches it; when the
+    host cannot keep up, simulated time follows the wall clock (steps never overlap).
+    """
+
+    def __init__(self, preset: Preset, time_scale: float = 1.0) -> None:
+        if time_scale <= 0:
+            raise ValueError("time_scale must be positive")
+        self.preset = preset
+        self.time_scale = time_scale
+        num_blocks = max(1, preset.kv_capacity_tokens // preset.block_size)
+        self.kv = KVCache(num_blocks, preset.block_size)
+        self.scheduler = Scheduler(self.kv, preset.max_num_seqs, preset.max_num_batched_tokens)
+        # a request longer than the whole cache could never run: cap the context at the cache size
+        self.max_model_len = min(preset.max_model_len, num_blocks * preset.block_size)
+        self.stalled = False
+        self.num_steps = 0
+        self.busy_sim_s = 0.0
+        self.finish_listeners: list[Callable[[SimRequest], None]] = []
+        self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._t0 = time.monotonic()
+        self._sim_clock = 0.0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- time ----------------------------------------------------------------------------------
+    def now(self) -> float:
+        """Simulated seconds since the engine started."""
+        return (time.monotonic() - self._t0) * self.time_scale
+
+    async def _sleep_until(self, sim_t: float) -> None:
+        delay = (sim_t - self.now()) / self.time_scale
+        await asyncio.sleep(max(delay, 0.0))
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="kvroute-sim-engine")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    # ---- requests ------------------------------------------------------------------------------
+    def submit(self, request: SimRequest) -> asyncio.Queue[TokenEvent]:
+        request.arrival_time = self.now()
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._queues[request.request_id] = queue
+        self.scheduler.add(request)
+        self._wake.set()
+        return queue
+
+    def abort(self, request: SimRequest) -> None:
+        """Stop a request (its client left): it leaves the queues and its blocks are freed."""
+        self._queues.pop(request.request_id, None)
+        if not request.finished:
+            self.scheduler.abort(request)
+            log.debug("aborted %s after %d tokens", request.request_id, request.num_output_tokens)
+
+    def set_stalled(self, stalled: bool) -> None:
+        self.stalled = stalled
+        self._wake.set()
+
+    # ---- the loop ------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            if self.stalled or not self.scheduler.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            step = self.scheduler.schedule()
+            if not step.scheduled:  # nothing fits right now; wait for a change instead of spinning
+                self._wake.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.05)
+                continue
+            duration = step_time_s(self.preset, step.work)
+            start = max(self._sim_clock, self.now())
+            end = start + duration
+            await self._sleep_until(end)
+            self._sim_clock = end
+            self.num_steps += 1
+            self.busy_sim_s += duration
+            for event in self.scheduler.update(step, now=end):
+                queue = self._queues.get(event.request.request_id)
+                if queue is not None:
+                    queue.put_nowait(event)
+                if event.finished:
+                    self._queues.pop(event.request.request_id, None)
+                    for listener in self.finish_listeners:
+                        listener(event.request)

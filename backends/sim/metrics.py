@@ -1,0 +1,102 @@
+"""Prometheus exposition of the sim engine with vLLM v1's metric names and labels.
+
+Owns the per-server CollectorRegistry: gauges and counters are read from the engine at scrape
+time (so /metrics always agrees with its state); latency histograms are observed when requests
+finish. It does not change engine state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from backends.sim.engine import SimEngine
+from backends.sim.scheduler import SimRequest
+
+# vLLM's own bucket boundaries (vllm/v1/metrics/loggers.py)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _EngineStateCollector(Collector):
+    """Gauges and counters straight from the engine, at scrape time."""
+
+    def __init__(self, engine: SimEngine, model_name: str) -> None:
+        self.engine = engine
+        self.labels = {"model_name": model_name, "engine": "0"}
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=list(self.labels))
+        g.add_metric(list(self.labels.values()), value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=list(self.labels))
+        c.add_metric(list(self.labels.values()), value)
+        return c
+
+    def collect(self) -> Iterator[Metric]:
+        sched, kv = self.engine.scheduler, self.engine.kv
+        yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv.usage)
+        yield self._gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                          len(sched.running))
+        yield self._gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                          len(sched.waiting))
+        yield self._counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                            sched.num_preemptions)
+        yield self._counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                            sched.prefix_queries_tokens)
+        yield self._counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                            sched.prefix_hit_tokens)
+        yield self._counter("vllm:request_success", "Count of successfully processed requests.", sched.num_finished)
+        info = InfoMetricFamily("vllm:cache_config", "Information of the LLMEngine CacheConfig")
+        info.add_metric([], {"block_size": str(kv.block_size), "num_gpu_blocks": str(kv.num_blocks),
+                             "enable_prefix_caching": str(kv.enable_prefix_caching),
+                             "cache_dtype": "auto", "engine": "0"})
+        yield info
+
+
+class SimMetrics:
+    """The /metrics registry of one sim server."""
+
+    def __init__(self, engine: SimEngine, model_name: str) -> None:
+        self.engine = engine
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineStateCollector(engine, model_name))
+        labels = ["model_name", "engine"]
+        self._label_values = (model_name, "0")
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              labels, buckets=TTFT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             labels, buckets=E2E_BUCKETS, registry=self.registry)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             labels, buckets=ITL_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels,
+                                     registry=self.registry).labels(model_name, "0")
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
+                                         registry=self.registry).labels(model_name, "0")
+        engine.finish_listeners.append(self.observe_finished)
+
+    def observe_finished(self, request: SimRequest) -> None:
+        """Latencies in simulated seconds (what the simulated GPU would show)."""
+        if request.first_token_time is None or request.finish_time is None:
+            return
+        self.ttft.labels(*self._label_values).observe(request.first_token_time - request.arrival_time)
+        self.e2e.labels(*self._label_values).observe(request.finish_time - request.arrival_time)
+        if request.num_output_tokens > 1:
+            itl = (request.finish_time - request.first_token_time) / (request.num_output_tokens - 1)
+            self.itl.labels(*self._label_values).observe(itl)
+        self.prompt_tokens.inc(request.num_prompt_tokens)
+        self.generation_tokens.inc(request.num_output_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+

@@ -1,0 +1,169 @@
+"""OpenAI wire shapes for the sim server: parse request bodies, build vLLM-shaped responses and chunks.
+
+Owns validation (with vLLM's error messages and statuses) and the JSON of answers, SSE chunks
+and usage; it holds no state and does not run anything (server.py does).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from backends.sim.tokens import MediaError, Prompt, chat_prompt, completion_prompt
+
+# Without max_tokens a real model stops at EOS after a length we cannot know; the sim picks a
+# deterministic length in this range (per request seed) and finishes with "stop".
+DEFAULT_OUTPUT_RANGE = (32, 256)
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, err_type: str = "BadRequestError", param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.err_type, self.param)
+
+
+def error_body(status: int, message: str, err_type: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+@dataclass
+class ParsedRequest:
+    """What the engine needs from one completion request."""
+
+    kind: str  # "chat" or "completion"
+    model: str
+    prompt: Prompt
+    max_tokens: int
+    finish_reason: str  # at max_tokens: "length" when the client set it, else "stop"
+    stream: bool
+    include_usage: bool
+    seed: int
+
+
+def _positive_int(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ApiError(400, f"{name} must be a positive integer, got {value!r}", param=name)
+    return value
+
+
+def parse_request(body: Any, kind: str, served_model: str, max_model_len: int, default_seed: int) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    model = body.get("model", served_model)
+    if model != served_model:
+        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    n = body.get("n", 1)
+    if n != 1:
+        raise ApiError(400, "the sim engine supports n=1 only", param="n")
+    try:
+        if kind == "chat":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+                raise ApiError(400, "messages must be a non-empty list of objects", param="messages")
+            prompt = chat_prompt(messages, bool(body.get("add_generation_prompt", True)))
+        else:
+            raw = body.get("prompt")
+            if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
+                raw = raw[0]  # a batch of one
+            if isinstance(raw, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+                raise ApiError(400, "the sim engine takes one prompt: a string or a list of token ids", param="prompt")
+            if not isinstance(raw, (str, list)) or not raw:
+                raise ApiError(400, "prompt must be a non-empty string or list of token ids", param="prompt")
+            prompt = completion_prompt(raw)
+    except MediaError as exc:
+        raise ApiError(400, str(exc), param="messages") from exc
+    prompt_len = len(prompt.token_ids)
+    seed = body.get("seed")
+    seed = default_seed if not isinstance(seed, int) else seed
+    requested = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
+    if requested is not None:
+        max_tokens, finish_reason = requested, "length"
+    else:
+        max_tokens = random.Random(seed).randint(*DEFAULT_OUTPUT_RANGE)
+        max_tokens = min(max_tokens, max(max_model_len - prompt_len, 1))
+        finish_reason = "stop"
+    if prompt_len + max_tokens > max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
+                            f"completion). Please reduce the length of the messages or completion.",
+                       param="max_tokens" if requested else "messages")
+    options = body.get("stream_options") or {}
+    return ParsedRequest(kind=kind, model=served_model, prompt=prompt, max_tokens=max_tokens,
+                         finish_reason=finish_reason, stream=bool(body.get("stream", False)),
+                         include_usage=bool(isinstance(options, dict) and options.get("include_usage")), seed=seed)
+
+
+def new_request_id(kind: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    details = {"cached_tokens": cached_tokens} if cached_tokens else None
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens, "prompt_tokens_details": details}
+
+
+class ResponseBuilder:
+    """Builds one request's response body or SSE chunks, shaped like vLLM's."""
+
+    def __init__(self, request_id: str, parsed: ParsedRequest) -> None:
+        self.request_id = request_id
+        self.parsed = parsed
+        self.created = int(time.time())
+        self.chat = parsed.kind == "chat"
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.parsed.model,
+                "choices": choices}
+
+    def role_chunk(self) -> dict[str, Any] | None:
+        """vLLM opens a chat stream with the assistant role and empty content."""
+        if not self.chat:
+            return None
+        return self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}])
+
+    def token_chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = None
+        return self._envelope([choice])
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        chunk = self._envelope([])
+        chunk["usage"] = usage(prompt_tokens, completion_tokens)
+        return chunk
+
+    def full_response(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+                      cached_tokens: int) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
+                                              "annotations": None, "audio": None, "function_call": None,
+                                              "tool_calls": [], "reasoning_content": None},
+                      "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                      "stop_reason": None, "prompt_logprobs": None}
+            obj = "text_completion"
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.parsed.model,
+                "choices": [choice], "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
+                "prompt_logprobs": None}

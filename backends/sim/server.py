@@ -1,0 +1,300 @@
+"""`kvroute worker --engine sim`: the simulator's OpenAI-compatible HTTP server and its lifecycle.
+
+Owns the aiohttp routes, the fault flags, proxy registration/reporting, and drain on SIGTERM;
+engine behaviour lives in engine.py/scheduler.py, wire shapes in openai_api.py.
+
+Faults: --fail-rate answers that fraction of completion requests with HTTP 500; --crash-after N
+serves N completion requests and exits abruptly (os._exit(1), no drain) when request N+1 arrives;
+--stall-after N freezes the engine once request N+1 is admitted (no more tokens for anyone, while
+/health still answers, like a hung GPU); --slow-start S waits S wall seconds before listening.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+import signal
+import sys
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from backends.sim.engine import SimEngine
+from backends.sim.metrics import CONTENT_TYPE, SimMetrics
+from backends.sim.openai_api import (
+    ApiError,
+    ParsedRequest,
+    ResponseBuilder,
+    error_body,
+    new_request_id,
+    parse_request,
+)
+from backends.sim.presets import Preset, get_preset
+from backends.sim.scheduler import SimRequest
+from backends.sim.tokens import chat_prompt, completion_prompt, public_token_ids
+
+log = logging.getLogger("kvroute.sim.server")
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def _error(status: int, message: str, err_type: str, param: str | None = None) -> web.Response:
+    return _json(error_body(status, message, err_type, param), status)
+
+
+class SimServer:
+    """One simulated worker: engine + HTTP surface + fault injection + drain state."""
+
+    def __init__(self, preset: Preset, served_model_name: str, time_scale: float = 1.0, seed: int = 0,
+                 fail_rate: float = 0.0, crash_after: int | None = None, stall_after: int | None = None) -> None:
+        self.preset = preset
+        self.model = served_model_name
+        self.engine = SimEngine(preset, time_scale)
+        self.metrics = SimMetrics(self.engine, served_model_name)
+        self.seed = seed
+        self.fail_rate = fail_rate
+        self.crash_after = crash_after
+        self.stall_after = stall_after
+        self.draining = False
+        self.in_flight = 0
+        self.requests_received = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self._rng = random.Random(seed)
+        self.created = int(time.time())
+
+    # ---- app -----------------------------------------------------------------------------------
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024**2)  # base64 images are large
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/load", self.load)
+        app.router.add_get("/version", self.version)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_get("/metrics", self.metrics_handler)
+        app.router.add_get("/sim/state", self.state)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, _app: web.Application) -> None:
+        self.engine.start()
+
+    async def _on_cleanup(self, _app: web.Application) -> None:
+        await self.engine.stop()
+
+    # ---- simple routes -------------------------------------------------------------------------
+    async def models(self, _request: web.Request) -> web.Response:
+        card = {"id": self.model, "object": "model", "created": self.created, "owned_by": "vllm",
+                "root": self.model, "parent": None, "max_model_len": self.engine.max_model_len,
+                "permission": []}
+        return _json({"object": "list", "data": [card]})
+
+    async def health(self, _request: web.Request) -> web.Response:
+        if self.draining:
+            return _error(503, "worker is draining", "ServiceUnavailableError")
+        return web.Response(status=200)
+
+    async def load(self, _request: web.Request) -> web.Response:
+        return _json({"server_load": self.in_flight})
+
+    async def version(self, _request: web.Request) -> web.Response:
+        return _json({"version": "kvroute-sim", "preset": self.preset.name})
+
+    async def metrics_handler(self, _request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def state(self, _request: web.Request) -> web.Response:
+        """The engine's internal state, for tests and operators (not part of vLLM's API)."""
+        return _json(self.snapshot())
+
+    def snapshot(self) -> dict[str, Any]:
+        sched, kv = self.engine.scheduler, self.engine.kv
+        return {
+            "preset": self.preset.name, "model": self.model, "time_scale": self.engine.time_scale,
+            "sim_time_s": self.engine.now(), "busy_sim_s": self.engine.busy_sim_s, "steps": self.engine.num_steps,
+            "num_blocks": kv.num_blocks, "block_size": kv.block_size, "used_blocks": kv.num_used_blocks,
+            "cached_blocks": kv.num_cached_blocks, "kv_cache_usage": kv.usage,
+            "kv_capacity_tokens": kv.num_blocks * kv.block_size, "max_model_len": self.engine.max_model_len,
+            "num_running": len(sched.running), "num_waiting": len(sched.waiting),
+            "num_preemptions": sched.num_preemptions, "num_finished": sched.num_finished,
+            "prefix_cache_queries": sched.prefix_queries_tokens, "prefix_cache_hits": sched.prefix_hit_tokens,
+            "prefix_cache_hit_rate": sched.recent_prefix_hit_rate, "in_flight": self.in_flight,
+            "requests_received": self.requests_received, "draining": self.draining, "stalled": self.engine.stalled,
+        }
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = orjson.loads(await request.read())
+            if "messages" in body:
+                prompt = chat_prompt(body["messages"], bool(body.get("add_generation_prompt", True)))
+            else:
+                prompt = completion_prompt(body.get("prompt", ""))
+        except (orjson.JSONDecodeError, ValueError, TypeError, AttributeError) as exc:
+            return _error(400, f"cannot tokenize: {exc}", "BadRequestError")
+        tokens = public_token_ids(prompt.token_ids)
+        return _json({"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens,
+                      "token_strs": None})
+
+    # ---- completions ---------------------------------------------------------------------------
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    def _admit(self) -> web.Response | None:
+        """Drain and fault checks, before the body is read. A response means: answer with it."""
+        if self.draining:
+            return _error(503, "worker is draining; send new requests elsewhere", "ServiceUnavailableError")
+        self.requests_received += 1
+        if self.crash_after is not None and self.requests_received > self.crash_after:
+            log.error("--crash-after %d reached: exiting abruptly", self.crash_after)
+            sys.stderr.flush()
+            os._exit(1)
+        if self.stall_after is not None and self.requests_received > self.stall_after and not self.engine.stalled:
+            log.warning("--stall-after %d reached: the engine stops producing tokens", self.stall_after)
+            self.engine.set_stalled(True)
+        if self.fail_rate > 0 and self._rng.random() < self.fail_rate:
+            return _error(500, "simulated engine failure (--fail-rate)", "InternalServerError")
+        return None
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        refused = self._admit()
+        if refused is not None:
+            return refused
+        try:
+            body = orjson.loads(await request.read())
+            parsed = parse_request(body, kind, self.model, self.engine.max_model_len,
+                                   default_seed=hash((self.seed, self.requests_received)) & 0x7FFFFFFF)
+        except orjson.JSONDecodeError as exc:
+            return _error(400, f"invalid JSON body: {exc}", "BadRequestError")
+        except ApiError as exc:
+            return _json(exc.body(), exc.status)
+        request_id = new_request_id(kind)
+        sim_request = SimRequest(request_id, parsed.prompt, parsed.max_tokens, seed=parsed.seed,
+                                 finish_reason=parsed.finish_reason)
+        self.in_flight += 1
+        self.idle.clear()
+        try:
+            queue = self.engine.submit(sim_request)
+            builder = ResponseBuilder(request_id, parsed)
+            if parsed.stream:
+                return await self._stream(request, parsed, builder, sim_request, queue)
+            pieces: list[str] = []
+            while True:
+                event = await queue.get()
+                pieces.append(event.text)
+                if event.finished:
+                    break
+            return _json(builder.full_response("".join(pieces), parsed.finish_reason, sim_request.num_prompt_tokens,
+                                               sim_request.num_output_tokens, sim_request.num_cached_tokens))
+        finally:
+            # normal end, client disconnect (handler cancelled) or a write error: the engine lets go
+            self.engine.abort(sim_request)
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.idle.set()
+
+    async def _stream(self, request: web.Request, parsed: ParsedRequest, builder: ResponseBuilder,
+                      sim_request: SimRequest, queue: asyncio.Queue) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+
+        async def send(chunk: dict[str, Any] | None) -> None:
+            if chunk is not None:
+                await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+
+        await send(builder.role_chunk())
+        while True:
+            event = await queue.get()
+            await send(builder.token_chunk(event.text, parsed.finish_reason if event.finished else None))
+            if event.finished:
+                break
+        if parsed.include_usage:
+            await send(builder.usage_chunk(sim_request.num_prompt_tokens, sim_request.num_output_tokens))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    # ---- load for the proxy --------------------------------------------------------------------
+    async def load_reading(self):  # -> backends.reporter.Load
+        from backends.reporter import Load
+
+        sched = self.engine.scheduler
+        return Load(kv_cache_usage=self.engine.kv.usage, num_running=len(sched.running),
+                    num_waiting=len(sched.waiting), prefix_cache_hit_rate=sched.recent_prefix_hit_rate,
+                    kv_capacity_tokens=self.engine.kv.num_blocks * self.engine.kv.block_size)
+
+
+def build_preset(args: argparse.Namespace) -> Preset:
+    return get_preset(args.preset).with_overrides(
+        kv_capacity_tokens=args.kv_capacity_tokens, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    preset = build_preset(args)
+    model = args.served_model_name or preset.served_model_name
+    if args.slow_start > 0:
+        log.info("--slow-start: waiting %.1fs before listening", args.slow_start)
+        await asyncio.sleep(args.slow_start)
+    server = SimServer(preset, model, time_scale=args.time_scale, seed=args.seed, fail_rate=args.fail_rate,
+                       crash_after=args.crash_after, stall_after=args.stall_after)
+    runner = web.AppRunner(server.build_app(), access_log=None, handler_cancellation=True,
+                            shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # real port when --port 0
+    print(f"kvroute-sim listening on http://{args.host}:{port}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    reporter = None
+    if args.proxy_url:
+        from backends.reporter import ProxyReporter
+        from proxy.protocol import WorkerRegistration
+
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        url = args.advertise_url or f"http://{host}:{port}"
+        registration = WorkerRegistration(
+            worker_id=args.worker_id, url=url, models=[model], engine="sim",
+            kv_capacity_tokens=server.engine.kv.num_blocks * server.engine.kv.block_size,
+            max_model_len=server.engine.max_model_len, labels={"preset": preset.name})
+        reporter = ProxyReporter(args.proxy_url, registration, server.load_reading, token=args.proxy_token)
+        await reporter.start()
+
+    await stop.wait()
+    log.info("stopping: draining %d in-flight requests (grace %.1fs)", server.in_flight, args.drain_grace_s)
+    server.draining = True
+    if reporter is not None:
+        await reporter.set_state("draining")
+    try:
+        await asyncio.wait_for(server.idle.wait(), timeout=args.drain_grace_s)
+    except TimeoutError:
+        log.warning("drain grace over with %d requests in flight", server.in_flight)
+    if reporter is not None:
+        await reporter.stop()
+    await runner.cleanup()
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvloop
+
+    return uvloop.run(serve(args))
