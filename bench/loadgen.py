@@ -104,7 +104,7 @@ def _usage(obj: dict[str, Any], res: Result) -> None:
 
 
 async def _consume_stream(resp: aiohttp.ClientResponse, res: Result, t0: float) -> None:
-    """Read SSE events; TTFT is the first event carrying generated text (or any choice)."""
+    """Read SSE events; TTFT is the first event carrying generated text."""
     chunks = 0
     buf = b""
     async for data in resp.content.iter_any():
@@ -126,7 +126,8 @@ async def _consume_stream(resp: aiohttp.ClientResponse, res: Result, t0: float) 
             if obj.get("error_code"):
                 res.error = f"error_code {obj['error_code']}"
             choices = obj.get("choices") or []
-            if choices:
+            # the role-only first chunk comes before any token is made: TTFT waits for text
+            if choices and (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")):
                 chunks += 1
                 if res.ttft_s is None:
                     res.ttft_s = time.perf_counter() - t0

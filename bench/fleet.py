@@ -1,0 +1,140 @@
+"""A benchmark fleet: N sim workers plus, on demand, a kvroute proxy or a peer router in front of them.
+
+Owns starting, readiness and stopping (by PID, whole process group) of bench processes, and
+scraping the workers' /metrics; it does not generate load or format results.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.peers import RunningRouter, _get, spawn, start_peer, stop_process_group, wait_ready
+from bench.procstat import ProcessTree
+
+KVROUTE = [sys.executable, "-m", "proxy.cli"]
+METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class SimWorkerSpec:
+    model: str = "m"
+    preset: str = "h100-qwen3-vl-8b"
+    time_scale: float = 1.0
+    extra: list[str] = field(default_factory=list)  # more `kvroute worker` flags
+
+
+@dataclass
+class Fleet:
+    """Sim workers that report to `proxy_url` (whether or not a kvroute proxy is up at the time)."""
+
+    log_dir: Path
+    workers: list[SimWorkerSpec]
+    proxy_port: int = field(default_factory=free_port)
+    urls: list[str] = field(default_factory=list)
+    _procs: list = field(default_factory=list)
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://127.0.0.1:{self.proxy_port}"
+
+    def start(self, timeout: float = 60.0) -> None:
+        for i, w in enumerate(self.workers):
+            port = free_port()
+            args = [*KVROUTE, "worker", "--engine", "sim", "--port", str(port), "--served-model-name", w.model,
+                    "--preset", w.preset, "--time-scale", str(w.time_scale), "--seed", str(i),
+                    "--proxy-url", self.proxy_url, "--worker-id", f"sim-{i}", "--log-level", "warning", *w.extra]
+            self._procs.append(spawn(args, self.log_dir / f"sim-{i}.log"))
+            self.urls.append(f"http://127.0.0.1:{port}")
+        for i, (url, proc) in enumerate(zip(self.urls, self._procs, strict=True)):
+            wait_ready(url, proc, self.log_dir / f"sim-{i}.log", timeout=timeout)
+
+    def stop(self) -> None:
+        for proc in self._procs:
+            stop_process_group(proc)
+        self._procs.clear()
+
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def metrics(self) -> list[dict[str, float]]:
+        """Each worker's /metrics, summed over label sets per metric name."""
+        return [scrape_metrics(u) for u in self.urls]
+
+    def __enter__(self) -> Fleet:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def scrape_metrics(base_url: str, timeout: float = 2.0) -> dict[str, float]:
+    status, body = _get(base_url + "/metrics", timeout)
+    out: dict[str, float] = {}
+    if status != 200:
+        return out
+    for line in body.decode(errors="replace").splitlines():
+        m = METRIC_LINE.match(line)
+        if m:
+            try:
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+            except ValueError:
+                pass
+    return out
+
+
+def _registered_workers(proxy_url: str) -> int:
+    status, body = _get(proxy_url + "/workers")
+    if status != 200:
+        return -1
+    import json
+
+    data = json.loads(body)
+    items = data.get("workers", data) if isinstance(data, dict) else data
+    return sum(1 for w in items if str(w.get("state", "ready")) == "ready")
+
+
+def start_kvroute(fleet: Fleet, policy: str, timeout: float = 60.0, extra: list[str] | None = None) -> RunningRouter:
+    """Start `kvroute proxy` on the fleet's proxy port and wait until every worker has registered."""
+    url = fleet.proxy_url
+    log_path = fleet.log_dir / f"kvroute-{policy}-{fleet.proxy_port}.log"
+    args = [*KVROUTE, "proxy", "--host", "127.0.0.1", "--port", str(fleet.proxy_port), "--policy", policy,
+            "--log-level", "warning", *(extra or [])]
+    popen = spawn(args, log_path)
+    router = RunningRouter(f"kvroute:{policy}", url, popen, log_path, ProcessTree(popen.pid))
+    try:
+        wait_ready(url, popen, log_path, timeout=timeout, path="/health")
+        deadline = time.monotonic() + timeout
+        while _registered_workers(url) < len(fleet.urls):
+            if time.monotonic() > deadline or popen.poll() is not None:
+                raise TimeoutError(f"only {_registered_workers(url)} of {len(fleet.urls)} workers registered "
+                                   f"with kvroute:\n{log_path.read_text()[-2000:]}")
+            time.sleep(0.1)
+    except BaseException:
+        router.stop()
+        raise
+    return router
+
+
+def start_router(kind: str, policy: str, fleet: Fleet) -> RunningRouter:
+    """kind 'kvroute' or a peer name; the peer gets the fleet's worker URLs."""
+    if kind == "kvroute":
+        return start_kvroute(fleet, policy)
+    return start_peer(kind, policy, fleet.urls, free_port(), free_port(), fleet.log_dir)
+
+

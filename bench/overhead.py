@@ -1,0 +1,178 @@
+"""Overhead benchmark: what a router costs over calling 4 fast sim workers directly (issue 6 and 3).
+
+Owns the overhead workloads, the list of routes and the overhead table; processes come from
+fleet.py/peers.py, load from loadgen.py. Routes run one after another on the same workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.fleet import Fleet, SimWorkerSpec, start_router
+from bench.loadgen import LoadGenerator, RequestSpec, chat_body, summarize
+from bench.report import environment_note, fmt, md_table, ms, plot_cdfs, results_path, write_json
+
+KVROUTE_POLICIES = ("kv_aware", "prefix", "least_requests", "round_robin")
+PEER_ROUTES = (("vllm-router", "round_robin"), ("vllm-router", "cache_aware"),
+               ("sglang-router", "round_robin"), ("sglang-router", "cache_aware"),
+               ("lmdeploy", "min_expected_latency"))
+# h100-qwen3-vl-8b at time scale 1.15 decodes a token in ~10 ms at low batch, as in peers.md's runs
+SIM_PRESET, SIM_TIME_SCALE = "h100-qwen3-vl-8b", 1.15
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    requests: int
+    concurrency: int
+    max_tokens: int
+    stream: bool
+
+
+def workloads(scale: float = 1.0) -> list[Workload]:
+    def n(x: int) -> int:
+        return max(20, int(x * scale))
+
+    return [Workload("stream", n(2000), 64, 16, True), Workload("stress", n(6000), 256, 4, True),
+            Workload("nonstream", n(2000), 64, 16, False)]
+
+
+def _distinct_prompt(rng: random.Random, words: int = 40) -> str:
+    # distinct from the first word on, so prefix-matching routers see no shared prefix to chase
+    return " ".join(rng.choice(_VOCAB) + str(rng.randrange(1000)) for _ in range(words))
+
+
+_VOCAB = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
+          "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango")
+
+
+def make_specs(w: Workload, model: str, seed: int = 0) -> list[RequestSpec]:
+    rng = random.Random(seed)
+    return [RequestSpec(chat_body(model, [{"role": "user", "content": _distinct_prompt(rng)}], w.max_tokens, w.stream))
+            for _ in range(w.requests)]
+
+
+def _spread(before: list[dict[str, float]], after: list[dict[str, float]]) -> float | None:
+    """(max - min) / mean of requests served per worker during the cell, from the workers' counters."""
+    counts = [a.get("vllm:request_success_total", 0.0) - b.get("vllm:request_success_total", 0.0)
+              for b, a in zip(before, after, strict=True)]
+    mean = sum(counts) / len(counts) if counts else 0.0
+    return (max(counts) - min(counts)) / mean if mean else None
+
+
+async def _measure(targets: str | list[str], specs: list[RequestSpec], concurrency: int):
+    return await LoadGenerator(targets).closed_loop(specs, concurrency)
+
+
+def run_cell(fleet: Fleet, kind: str, policy: str, w: Workload, model: str, warmup: int) -> dict[str, Any]:
+    """One route x one workload: start the router, warm up, measure, stop it."""
+    router = None if kind == "direct" else start_router(kind, policy, fleet)
+    try:
+        targets: str | list[str] = fleet.urls if router is None else router.url
+        warm = Workload(w.name, warmup, w.concurrency, w.max_tokens, w.stream)
+        asyncio.run(_measure(targets, make_specs(warm, model, seed=1), w.concurrency))
+        before = fleet.metrics()
+        cpu0 = router.tree.cpu_seconds() if router else 0.0
+        run = asyncio.run(_measure(targets, make_specs(w, model), w.concurrency))
+        cpu1 = router.tree.cpu_seconds() if router else 0.0
+        after = fleet.metrics()
+        row = summarize(run)
+        row.update(route=f"{kind}:{policy}" if router else "direct", workload=w.name,
+                   cpu_us_per_req=(cpu1 - cpu0) / max(1, row["ok"]) * 1e6 if router else None,
+                   rss_mb=router.tree.rss_bytes() / 2**20 if router else None,
+                   spread=_spread(before, after),
+                   latencies=[r.latency_s for r in run.results if r.ok],
+                   ttfts=[r.ttft_s for r in run.results if r.ok and r.ttft_s is not None])
+        return row
+    finally:
+        if router:
+            router.stop()
+
+
+def render(rows: list[dict[str, Any]], sizes: str) -> str:
+    out = [f"# Router overhead over direct calls\n\n{environment_note()}\n\n{sizes}\n",
+           "Added latency/TTFT = router's percentile minus direct's (client-side round robin) in the same run. "
+           "CPU = router process tree utime+stime (/proc, children included) per successful request. "
+           "Spread = (max - min) / mean of requests served per worker (workers' vllm:request_success_total).\n"]
+    for wl in dict.fromkeys(r["workload"] for r in rows):
+        cell = [r for r in rows if r["workload"] == wl]
+        base = next((r for r in cell if r["route"] == "direct"), None)
+
+        def added(r: dict[str, Any], key: str, base: dict[str, Any] | None = base) -> str:
+            if not base or r[key] is None or base[key] is None or r is base:
+                return "0" if r is base else "-"
+            return ms(r[key] - base[key], signed=True)
+
+        table = [[r["route"], r["ok"], r["failed"], r["rejected"], fmt(r["req_per_s"], digits=0),
+                  added(r, "lat_p50"), added(r, "lat_p99"), added(r, "ttft_p50"), added(r, "ttft_p99"),
+                  fmt(r["cpu_us_per_req"], digits=0), fmt(r["rss_mb"], digits=0), fmt(r["spread"], digits=2)]
+                 for r in cell]
+        out.append(f"## {wl}\n")
+        out.append(md_table(["route", "ok", "failed", "rejected", "req/s", "added p50 ms", "added p99 ms",
+                             "added TTFT p50 ms", "added TTFT p99 ms", "CPU us/req", "RSS MB", "spread"], table))
+        out.append("")
+    return "\n".join(out)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scale", type=float, default=1.0, help="multiply request counts (0.1 for a quick look)")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=200, help="unmeasured requests before each cell")
+    p.add_argument("--policies", default=",".join(KVROUTE_POLICIES), help="kvroute policies, comma-separated")
+    p.add_argument("--no-peers", action="store_true", help="kvroute and direct only")
+    p.add_argument("--peers", default=",".join(sorted({p for p, _ in PEER_ROUTES})),
+                   help="peer routers to include, comma-separated")
+    p.add_argument("--workloads", default="stream,stress,nonstream")
+    p.add_argument("--out-dir", type=Path, default=None, help="results folder (default bench/results)")
+    p.add_argument("--name", default="overhead")
+
+
+def run(args: argparse.Namespace) -> int:
+    routes: list[tuple[str, str]] = [("direct", "")]
+    routes += [("kvroute", p) for p in args.policies.split(",") if p]
+    if not args.no_peers:
+        wanted = set(args.peers.split(","))
+        routes += [r for r in PEER_ROUTES if r[0] in wanted]
+    chosen = [w for w in workloads(args.scale) if w.name in args.workloads.split(",")]
+    log_dir = Path(__file__).resolve().parent / ".runs" / f"overhead-{int(time.time())}"
+    model = "m"
+    rows: list[dict[str, Any]] = []
+    spec = SimWorkerSpec(model=model, preset=SIM_PRESET, time_scale=SIM_TIME_SCALE,
+                         extra=["--max-num-seqs", "512"])
+    with Fleet(log_dir, [spec] * args.workers) as fleet:
+        for w in chosen:
+            for kind, policy in routes:
+                print(f"[overhead] {w.name} {kind}:{policy} ...", flush=True)
+                row = run_cell(fleet, kind, policy, w, model, min(args.warmup, w.requests))
+                print(f"[overhead]   ok={row['ok']} failed={row['failed']} req/s={row['req_per_s']:.0f} "
+                      f"p99={ms(row['lat_p99'])}ms cpu/req={fmt(row['cpu_us_per_req'], digits=0)}us", flush=True)
+                rows.append(row)
+    sizes = ("Fleet: {} sim workers, preset {} at time scale {} (~10 ms per decode step). Workloads: {}.".format(
+        args.workers, SIM_PRESET, SIM_TIME_SCALE,
+        "; ".join(f"{w.name} = {w.requests} requests at concurrency {w.concurrency}, {w.max_tokens} tokens, "
+                  f"{'streaming' if w.stream else 'non-streaming'}" for w in chosen)))
+    md_path = results_path(args.name, ".md", args.out_dir)
+    text = render(rows, sizes)
+    for w in chosen:
+        png = results_path(f"{args.name}-{w.name}-latency-cdf", ".png", args.out_dir)
+        plot_cdfs(png, {r["route"]: r["latencies"] for r in rows if r["workload"] == w.name},
+                  f"{w.name}: end-to-end latency CDF", "latency (ms)")
+        text += f"\n![{w.name} latency CDF]({png.name})\n"
+    md_path.write_text(text)
+    write_json(results_path(args.name, ".json", args.out_dir),
+               [{k: v for k, v in r.items() if k not in ("latencies", "ttfts")} for r in rows])
+    print(text)
+    print(f"[overhead] wrote {md_path}")
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))
