@@ -67,6 +67,8 @@ class ProxyConfig(_Strict):
 class StateConfig(_Strict):
     url: str = Field("memory", description="'memory' or redis://host:port/db")
     ray_address: str | None = Field(None, description="Ray cluster for placement: ray (e.g. 'auto')")
+    ray_gpu_resource: str = Field("GPU", min_length=1,
+                                  description="Ray resource a replica holds gpus_per_replica of; 'GPU' = num_gpus")
 
     @field_validator("url")
     @classmethod
@@ -140,6 +142,9 @@ class FleetConfig(_Strict):
                 if name in seen:
                     raise ValueError(f"model name or alias '{name}' is used by both {seen[name]} and {m.name}")
                 seen[name] = m.name
+        for i, m in enumerate(self.models):
+            if m.placement == "ray" and not self.state.ray_address:
+                raise ValueError(f"models[{i}] ({m.name}) has placement ray but state.ray_address is not set")
         return self
 
     def model(self, name_or_alias: str) -> ModelConfig | None:

@@ -168,10 +168,11 @@ class FleetManager:
         if m.placement == "local":
             count = m.gpus_per_replica if m.device == "cuda" else 0
             gpus = self.gpus.allocate(count, wid)  # GpuAssignmentError propagates: nothing started
+        placement = self.placement(m.placement)
         launch = WorkerLaunch(worker_id=wid, model=m, proxy_url=self.proxy_url, gpus=gpus,
                               drain_grace_s=self.desired.proxy.drain_grace_s,
                               worker_token=self.desired.proxy.worker_token, log_level=self.log_level)
-        r = Replica(launch, index, generation, spec_fingerprint(m), self.placement(m.placement), self.restart_policy)
+        r = Replica(launch, index, generation, spec_fingerprint(m), placement, self.restart_policy)
         self.replicas[wid] = r
         r.start()
         log.info("starting %s (gpus %s)", wid, gpus if gpus is not None else "from placement")

@@ -172,6 +172,6 @@ class Replica:
             "generation": self.generation, "state": self.state, "registered_state": self.registered_state,
             "engine": self.launch.model.engine, "placement": self.placement.name,
             "url": h.url if h else None, "node": h.node if h else None, "pid": h.pid if h else None,
-            "gpus": self.launch.gpus or [], "restarts": self.restarts, "last_exit_code": self.last_exit_code,
+            "gpus": getattr(h, "gpus", None) or self.launch.gpus or [], "restarts": self.restarts, "last_exit_code": self.last_exit_code,
             "last_error": self.last_error, "started_at": self.started_at, "fingerprint": self.fingerprint,
         }

@@ -1,0 +1,107 @@
+"""The fleet's admin HTTP routes on the proxy app (/fleet, /fleet/apply, /fleet/scale) and its metrics.
+
+Owns request/response shapes for fleet control and the Prometheus collector that reads the
+manager at scrape time; admin auth is the proxy app's (it covers /fleet*), not this module's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from proxy.config import ConfigError, parse_config
+from proxy.fleet.gpus import GpuAssignmentError
+from proxy.fleet.reconcile import FleetManager
+from proxy.fleet.supervisor import REPLICA_STATES
+
+FLEET_MANAGER_KEY: web.AppKey[FleetManager] = web.AppKey("kvroute_fleet_manager", FleetManager)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+
+
+def _error(status: int, message: str, code: str, param: str | None = None) -> web.Response:
+    err_type = "invalid_request_error" if status < 500 else "server_error"
+    return _json({"error": {"message": message, "type": err_type, "param": param, "code": code}}, status)
+
+
+async def get_fleet(request: web.Request) -> web.Response:
+    return _json(request.app[FLEET_MANAGER_KEY].snapshot())
+
+
+async def post_apply(request: web.Request) -> web.Response:
+    """Body: the config file's text (YAML). Interpolation uses the environment of `kvroute up`."""
+    text = await request.text()
+    try:
+        config = parse_config(text, source="applied config")
+        plan = request.app[FLEET_MANAGER_KEY].apply(config)
+    except ConfigError as exc:
+        return _error(400, str(exc), "invalid_config")
+    except GpuAssignmentError as exc:
+        return _error(409, str(exc), "does_not_fit")
+    return _json({"plan": plan})
+
+
+async def post_scale(request: web.Request) -> web.Response:
+    try:
+        body = orjson.loads(await request.read())
+        model, replicas = body["model"], body["replicas"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return _error(400, 'body must be JSON {"model": NAME, "replicas": N}', "invalid_request")
+    if not isinstance(model, str) or not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+        return _error(400, "model must be a string and replicas an integer >= 0", "invalid_request", "replicas")
+    try:
+        plan = request.app[FLEET_MANAGER_KEY].scale(model, replicas)
+    except KeyError:
+        return _error(404, f"no model or alias named '{model}' in the fleet", "model_not_found", "model")
+    except GpuAssignmentError as exc:
+        return _error(409, str(exc), "does_not_fit", "replicas")
+    return _json({"plan": plan})
+
+
+def add_fleet_routes(app: web.Application, manager: FleetManager) -> None:
+    """Mount the fleet routes; call before the app starts."""
+    app[FLEET_MANAGER_KEY] = manager
+    app.router.add_get("/fleet", get_fleet)
+    app.router.add_post("/fleet/apply", post_apply)
+    app.router.add_post("/fleet/scale", post_scale)
+
+
+class FleetCollector(Collector):
+    """Reads replica states from the manager at scrape time, so there is no second copy to keep in sync."""
+
+    def __init__(self, manager: FleetManager) -> None:
+        self.manager = manager
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        replicas = GaugeMetricFamily("kvroute:fleet_replicas", "Replicas managed by `kvroute up`, by state",
+                                     labels=["model", "state"])
+        desired = GaugeMetricFamily("kvroute:fleet_desired_replicas", "Replicas the config asks for",
+                                    labels=["model"])
+        restarts = CounterMetricFamily("kvroute:fleet_restarts", "Worker restarts after a crash", labels=["model"])
+        models = {m.name for m in self.manager.desired.models} | {r.model_name for r in self.manager.replicas.values()}
+        for model in sorted(models):
+            rs = [r for r in self.manager.replicas.values() if r.model_name == model]
+            for state in REPLICA_STATES:
+                replicas.add_metric([model, state], sum(r.state == state for r in rs))
+            m = self.manager.desired.model(model)
+            desired.add_metric([model], m.replicas if m and m.name == model else 0)
+            restarts.add_metric([model], sum(r.restarts for r in rs))
+        yield replicas
+        yield desired
+        yield restarts
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(())  # collected lazily: the model set changes at run time
+
+
+def register_fleet_metrics(registry: CollectorRegistry, manager: FleetManager) -> FleetCollector:
+    collector = FleetCollector(manager)
+    registry.register(collector)
+    return collector

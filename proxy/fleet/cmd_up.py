@@ -1,0 +1,204 @@
+"""`kvroute up [CONFIG]`: the proxy (in this process) plus every worker the config asks for, kept equal
+to the file until Ctrl-C / SIGTERM, which drains and stops everything.
+
+Owns the command line, start-up order, live progress and shutdown; the fleet logic is in
+reconcile.py, the proxy in proxy/app.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from proxy.config import ConfigError, FleetConfig, load_config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", default="config.yaml", help="fleet config file (default ./config.yaml)")
+    p.add_argument("--host", default=None, help="proxy address to bind (default: proxy.host of the config)")
+    p.add_argument("--port", type=int, default=None, help="proxy port (default: proxy.port; 0 = a free port)")
+    p.add_argument("--policy", default=None, help="routing policy (default: proxy.policy of the config)")
+    p.add_argument("--advertise-url", default=None,
+                   help="proxy URL that workers on other machines (placement ray) dial; default from the bind address")
+    p.add_argument("--run-dir", default=os.environ.get("KVROUTE_RUN_DIR"),
+                   help="where worker logs go (env KVROUTE_RUN_DIR; default a new temporary directory)")
+    p.add_argument("--no-watch", action="store_true", help="do not follow edits of the config file")
+    p.add_argument("--ready-timeout-s", type=float, default=None,
+                   help="how long to show start-up progress before printing the status anyway "
+                        "(default: the longest startup_timeout_s of the models)")
+    sup = p.add_argument_group("supervision")
+    sup.add_argument("--restart-backoff-s", type=float, default=1.0, help="first restart delay after a crash (doubles)")
+    sup.add_argument("--crash-loop-count", type=int, default=5, help="crashes within the window that mark a worker failed")
+    sup.add_argument("--crash-loop-window-s", type=float, default=120.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    path = Path(args.config)
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        print(f"kvroute up: {exc}", file=sys.stderr)
+        return 2
+    if args.host is not None or args.port is not None:
+        update: dict[str, Any] = {}
+        if args.host is not None:
+            update["host"] = args.host
+        if args.port is not None:
+            update["port"] = args.port
+        config = config.model_copy(update={"proxy": config.proxy.model_copy(update=update)})
+    logging.basicConfig(level=getattr(logging, config.proxy.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvloop
+
+    return uvloop.run(_up(args, path, config))
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+async def _up(args: argparse.Namespace, path: Path, config: FleetConfig) -> int:
+    from rich.console import Console
+
+    from proxy.fleet.gpus import GpuAssignmentError, GpuPool, detect_gpus
+    from proxy.fleet.proxyclient import ProxyControl
+    from proxy.fleet.reconcile import FleetManager
+    from proxy.fleet.supervisor import RestartPolicy
+
+    console = Console(stderr=False)
+    gpus, source = await detect_gpus(os.environ)
+    pool = GpuPool(gpus, source)
+    policy = RestartPolicy(backoff_s=args.restart_backoff_s, crash_loop_count=args.crash_loop_count,
+                           crash_loop_window_s=args.crash_loop_window_s)
+    host = config.proxy.host
+    dial_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    port = config.proxy.port or _free_port(dial_host)
+    config = config.model_copy(update={"proxy": config.proxy.model_copy(update={"port": port})})
+    proxy_url = f"http://{dial_host}:{port}"
+    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvroute-up-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    # Workers on other nodes (placement ray) cannot dial 127.0.0.1: without --advertise-url they get
+    # the driver node's address when the proxy binds all interfaces.
+    remote_proxy_url = args.advertise_url or (None if dial_host != host else proxy_url)
+    placements = _Placements(config, run_dir, remote_proxy_url, port)
+    control = ProxyControl(proxy_url, config.proxy.admin_token)
+    manager = FleetManager(config, proxy_url=proxy_url, control=control, placements=placements.get, gpus=pool,
+                           restart_policy=policy, log_level=config.proxy.log_level)
+    try:
+        manager.check(config)
+    except GpuAssignmentError as exc:
+        print(f"kvroute up: the fleet does not fit: {exc}", file=sys.stderr)
+        return 2
+
+    from proxy.fleet.proxyhost import start_proxy
+
+    stop_proxy = await start_proxy(config, manager, host, port, policy=args.policy)
+    console.print(f"kvroute up: proxy on {proxy_url} (GPUs: {', '.join(gpus) or 'none'} from {source}); "
+                  f"worker logs in {run_dir}")
+
+    stop, force = asyncio.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        (force if stop.is_set() else stop).set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+
+    watcher = None
+    manager.start()
+    if not args.no_watch:
+        from proxy.fleet.watch import ConfigWatcher
+
+        watcher = ConfigWatcher(path, manager.apply, initial_text=await asyncio.to_thread(path.read_text))
+        watcher.start()
+    try:
+        timeout = args.ready_timeout_s or max([m.startup_timeout_s for m in config.models] or [60.0])
+        from proxy.fleet.progress import show_progress
+
+        ready = await show_progress(console, manager, stop, timeout)
+        if not stop.is_set():
+            await _print_status(console, manager, proxy_url, ready)
+            await stop.wait()
+    finally:
+        console.print("kvroute up: draining and stopping every worker (Ctrl-C again to kill at once)")
+        if watcher is not None:
+            await watcher.stop()
+        shutdown = asyncio.create_task(manager.shutdown(drain=True))
+        forced = asyncio.create_task(force.wait())
+        await asyncio.wait({shutdown, forced}, return_when=asyncio.FIRST_COMPLETED)
+        if not shutdown.done():
+            await manager.kill_all()
+            shutdown.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await shutdown
+        forced.cancel()
+        await placements.close()
+        await control.close()
+        await stop_proxy()
+        console.print("kvroute up: stopped")
+    return 0
+
+
+async def _print_status(console: Any, manager: Any, proxy_url: str, ready: bool) -> None:
+    from rich.console import Group
+
+    from proxy.fleet.render import fleet_tables
+
+    try:
+        workers = await manager.control.workers()
+    except Exception:
+        workers = {}
+    if ready:
+        console.print(f"[bold green]ready[/]: OpenAI endpoint {proxy_url}/v1")
+    else:
+        failed = ", ".join(r.worker_id for r in manager.any_failed())
+        console.print(f"[bold yellow]not every worker is ready[/] ({'failed: ' + failed if failed else 'still starting'});"
+                      f" endpoint {proxy_url}/v1; see `kvroute status --proxy {proxy_url}`")
+    console.print(Group(*fleet_tables(workers, manager.snapshot(), now=time.time())))
+
+
+class _Placements:
+    """Creates each placement on first use, so a local-only fleet never imports Ray."""
+
+    def __init__(self, config: FleetConfig, run_dir: Path, remote_proxy_url: str | None, proxy_port: int) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.remote_proxy_url = remote_proxy_url
+        self.proxy_port = proxy_port
+        self._made: dict[str, Any] = {}
+
+    def get(self, name: str) -> Any:
+        if name not in self._made:
+            if name == "local":
+                from proxy.fleet.placement.local import LocalPlacement
+
+                self._made[name] = LocalPlacement(self.run_dir)
+            elif name == "ray":
+                from proxy.fleet.placement.ray import RayPlacement
+
+                state = self.config.state
+                self._made[name] = RayPlacement(state.ray_address or "auto", self.remote_proxy_url, self.proxy_port,
+                                                state.ray_gpu_resource, str(self.run_dir))
+            else:
+                raise ValueError(f"unknown placement {name}")
+        return self._made[name]
+
+    async def close(self) -> None:
+        for p in self._made.values():
+            with contextlib.suppress(Exception):
+                await p.close()
