@@ -71,14 +71,14 @@ class SimMetrics:
         self.engine = engine
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStateCollector(engine, model_name))
+        # children made now, so every series exists (at 0) from the first scrape, as in vLLM
         labels = ["model_name", "engine"]
-        self._label_values = (model_name, "0")
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              labels, buckets=TTFT_BUCKETS, registry=self.registry)
+                              labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name, "0")
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             labels, buckets=E2E_BUCKETS, registry=self.registry)
+                             labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name, "0")
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             labels, buckets=ITL_BUCKETS, registry=self.registry)
+                             labels, buckets=ITL_BUCKETS, registry=self.registry).labels(model_name, "0")
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels,
                                      registry=self.registry).labels(model_name, "0")
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
@@ -89,11 +89,11 @@ class SimMetrics:
         """Latencies in simulated seconds (what the simulated GPU would show)."""
         if request.first_token_time is None or request.finish_time is None:
             return
-        self.ttft.labels(*self._label_values).observe(request.first_token_time - request.arrival_time)
-        self.e2e.labels(*self._label_values).observe(request.finish_time - request.arrival_time)
+        self.ttft.observe(request.first_token_time - request.arrival_time)
+        self.e2e.observe(request.finish_time - request.arrival_time)
         if request.num_output_tokens > 1:
             itl = (request.finish_time - request.first_token_time) / (request.num_output_tokens - 1)
-            self.itl.labels(*self._label_values).observe(itl)
+            self.itl.observe(itl)
         self.prompt_tokens.inc(request.num_prompt_tokens)
         self.generation_tokens.inc(request.num_output_tokens)
 

@@ -20,8 +20,8 @@ Constants and sources:
 - Vision tower work: 16 px patches merged 2x2 into one LLM token, so each image token costs the ViT
   4 patches x 2 x ViT params FLOPs (attention inside the ViT ignored).
 - Efficiencies (stated assumptions, typical of vLLM on Hopper): mfu 0.5 for prefill GEMMs, 0.8 of
-  peak HBM bandwidth for decode, 4 ms fixed scheduler/launch overhead per step with CUDA graphs off
-  for mixed batches, 20 us per sequence (sampling, detokenising).
+  peak HBM bandwidth for decode, 2 ms fixed scheduler/launch overhead per step (CUDA graphs on
+  for decode; the scheduler and sampler in Python), 20 us per sequence (sampling, detokenising).
 - gpu_memory_utilization 0.9 (vLLM default), 4 GB reserved for activations and CUDA graphs.
 
 `cpu-tiny` is not a roofline: it mimics the 3.3 M-parameter Qwen3-VL built by `kvroute make-tiny-model`
@@ -89,7 +89,7 @@ def _gpu_preset(name: str, served: str, *, hbm_bytes: float, hbm_bw: float, peak
         llm_params=llm_params, vit_params=vit_params, weight_bytes=weight_bytes,
         kv_bytes_per_token=kv_per_token, num_layers=layers, hidden_size=hidden,
         hbm_bandwidth=hbm_bw, peak_flops=peak_flops, mfu=0.5, bw_efficiency=0.8,
-        step_overhead_s=0.004, per_seq_overhead_s=20e-6,
+        step_overhead_s=0.002, per_seq_overhead_s=20e-6,
     )
 
 
@@ -108,8 +108,8 @@ def builtin_presets() -> dict[str, Preset]:
             max_model_len=4096,
             llm_params=3.3e6, vit_params=1.0e6, weight_bytes=6.6e6,
             kv_bytes_per_token=_kv_bytes_per_token(4, 2, 64), num_layers=4, hidden_size=128,
-            # effective CPU numbers: 50 GFLOP/s and 20 GB/s keep prefill of 100 tokens near 10 ms
-            hbm_bandwidth=20e9, peak_flops=50e9, mfu=1.0, bw_efficiency=1.0,
+            # effective CPU numbers: 100 GFLOP/s and 20 GB/s put a 500-token prefill near 40 ms
+            hbm_bandwidth=20e9, peak_flops=100e9, mfu=1.0, bw_efficiency=1.0,
             step_overhead_s=0.006, per_seq_overhead_s=0.00015,
         ),
     ]

@@ -1,0 +1,90 @@
+"""Token estimates (text, Qwen3-VL images) and the step-time model."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+from PIL import Image
+
+from backends.sim.cost import StepWork, step_time_s
+from backends.sim.presets import get_preset
+from backends.sim.tokens import (
+    IMAGE_PAD,
+    FillerText,
+    chat_prompt,
+    count_text_tokens,
+    image_tokens_for_size,
+    public_token_ids,
+    text_token_ids,
+)
+
+
+def png_data_url(width: int, height: int, color: tuple[int, int, int] = (200, 30, 30)) -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_text_estimate_is_deterministic_and_prefix_stable():
+    text = ("The quick brown fox jumps over the lazy dog. " * 20).rstrip()
+    assert text_token_ids(text) == text_token_ids(text)
+    assert text_token_ids(text + " More words here")[: len(text_token_ids(text))] == text_token_ids(text)
+    words = len(text.split())
+    assert 1.0 <= count_text_tokens(text) / words <= 1.6  # near Qwen's BPE on English prose
+
+
+@pytest.mark.parametrize(("size", "tokens"), [
+    ((1024, 1024), 1024),  # 32x32 px per token
+    ((640, 480), 300),  # 20 x 15
+    ((64, 64), 64),  # raised to min_pixels 65536 = 64 tokens
+    ((8192, 8192), 16384),  # capped at max_pixels 16777216
+])
+def test_qwen3_vl_image_rule(size, tokens):
+    assert image_tokens_for_size(*size) == tokens
+
+
+def test_image_size_comes_from_the_data_url_and_repeats_give_equal_ids():
+    msg = lambda url: [{"role": "user", "content": [  # noqa: E731
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "describe"}]}]
+    small = chat_prompt(msg(png_data_url(320, 320)))
+    large = chat_prompt(msg(png_data_url(640, 640)))
+    assert small.num_media_tokens == 100 and large.num_media_tokens == 400
+    again = chat_prompt(msg(png_data_url(320, 320)))
+    other = chat_prompt(msg(png_data_url(320, 320, color=(0, 0, 255))))
+    assert again.token_ids == small.token_ids
+    assert other.token_ids != small.token_ids  # same size, different pixels: different cache key
+    assert public_token_ids(small.token_ids).count(IMAGE_PAD) == 100
+    url_only = chat_prompt(msg("https://example.com/cat.jpg"))
+    assert url_only.num_media_tokens == image_tokens_for_size(1280, 720)
+
+
+def test_filler_text_costs_one_token_per_generated_token():
+    filler = FillerText(seed=3)
+    text = "".join(filler.next_piece(first=i == 0)[0] for i in range(50))
+    assert count_text_tokens(text) == 50
+
+
+def test_step_time_follows_the_roofline():
+    h100 = get_preset("h100-qwen3-vl-8b")
+    one_decode = step_time_s(h100, StepWork(decode_seqs=1, kv_tokens_read=1000))
+    # decode is memory bound: weights (17.6 GB) over 0.8 x 3.35 TB/s, plus 2 ms overhead
+    assert one_decode == pytest.approx(0.002 + 20e-6 + (17.56e9 + 1000 * 147456) / (3.35e12 * 0.8), rel=1e-3)
+    batch = step_time_s(h100, StepWork(decode_seqs=64, kv_tokens_read=64 * 2000))
+    assert one_decode < batch < 64 * one_decode  # batching amortises the weights
+    prefill = step_time_s(h100, StepWork(prefill_tokens=4000, prefill_seqs=1, kv_tokens_read=4000,
+                                          attention_pairs=4000 * 4001 // 2))
+    assert prefill > 2 * 8.2e9 * 4000 / (989e12 * 0.5)  # compute bound: at least the GEMM FLOPs
+    with_image = step_time_s(h100, StepWork(prefill_tokens=4000, prefill_seqs=1, kv_tokens_read=4000,
+                                            attention_pairs=4000 * 4001 // 2, image_tokens=4000))
+    assert with_image > prefill  # the vision encoder costs extra
+
+
+def test_cpu_tiny_matches_the_measured_vllm_cpu_worker():
+    tiny = get_preset("cpu-tiny")
+    for concurrency in (8, 12):
+        tok_per_s = concurrency / step_time_s(tiny, StepWork(decode_seqs=concurrency, kv_tokens_read=concurrency * 300))
+        assert 1000 <= tok_per_s <= 1500
+    ttft = step_time_s(tiny, StepWork(prefill_tokens=200, prefill_seqs=1, kv_tokens_read=200, attention_pairs=20100))
+    assert 0.01 <= ttft <= 0.05
