@@ -1,0 +1,92 @@
+"""Build the proxy's aiohttp application, and serve it.
+
+Owns wiring: which objects exist per app (registry, upstream session, policies, metrics,
+monitor), the routes, startup/cleanup; `serve` runs an app on a host/port in the current
+event loop. The fleet launcher adds its own /fleet routes before starting the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from proxy.api import control, ops
+from proxy.api import openai as openai_api
+from proxy.config import FleetConfig
+from proxy.dispatch import Dispatcher, PolicySet
+from proxy.metrics import ProxyMetrics
+from proxy.monitor import HealthMonitor
+from proxy.registry import Registry
+from proxy.routing.base import PolicyDeps
+from proxy.routing.prefix_index import PrefixIndex
+from proxy.upstream import Upstream
+
+log = logging.getLogger("kvroute.proxy")
+
+REGISTRY_KEY = web.AppKey("kvroute_registry", Registry)
+CONFIG_KEY = web.AppKey("kvroute_config", FleetConfig)
+DISPATCHER_KEY = web.AppKey("kvroute_dispatcher", Dispatcher)
+UPSTREAM_KEY = web.AppKey("kvroute_upstream", Upstream)
+MONITOR_KEY = web.AppKey("kvroute_monitor", HealthMonitor)
+METRICS_KEY = web.AppKey("kvroute_metrics", ProxyMetrics)
+
+
+def build_app(config: FleetConfig, *, policy: str | None = None) -> web.Application:
+    """A not-yet-started proxy app for `config`; `policy` overrides config.proxy.policy.
+
+    Raises ValueError for an unknown policy name (global or per model).
+    """
+    proxy_cfg = config.proxy
+    registry = Registry()
+    deps = PolicyDeps(prefix_index=PrefixIndex())
+    policies = PolicySet(config, policy or proxy_cfg.policy, deps)
+    upstream = Upstream(proxy_cfg.timeouts)
+    metrics = ProxyMetrics(registry)
+    monitor = HealthMonitor(registry, upstream)
+    dispatcher = Dispatcher(config, registry, upstream, policies, metrics)
+
+    # client_max_size + 1 so a body of exactly max_body_bytes is accepted; dispatch answers 413.
+    app = web.Application(client_max_size=proxy_cfg.max_body_bytes + 1,
+                          middlewares=[control.auth_middleware(proxy_cfg)])
+    app[REGISTRY_KEY] = registry
+    app[CONFIG_KEY] = config
+    app[DISPATCHER_KEY] = dispatcher
+    app[UPSTREAM_KEY] = upstream
+    app[MONITOR_KEY] = monitor
+    app[METRICS_KEY] = metrics
+
+    openai_api.add_routes(app, dispatcher, registry, config)
+    control.add_routes(app, registry, monitor, dispatcher.queue_lengths)
+    ops.add_routes(app, registry, metrics)
+    app.cleanup_ctx.append(_lifecycle)
+    return app
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    upstream, monitor = app[UPSTREAM_KEY], app[MONITOR_KEY]
+    await upstream.start()
+    monitor.start()
+    for static in app[CONFIG_KEY].proxy.static_workers:
+        monitor.spawn(monitor.add_static(static.url, static.models, static.engine))
+    yield
+    await monitor.stop()
+    await upstream.close()
+
+
+async def serve(app: web.Application, host: str, port: int) -> None:
+    """Run `app` on host:port until cancelled; then close it cleanly. Prints the bound URL."""
+    # handler_cancellation: a client that disconnects cancels its handler, and with it the
+    # upstream request (the worker sees the connection close and stops generating).
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
+        await site.start()
+        bound = runner.addresses[0]
+        print(f"kvroute proxy listening on http://{host}:{bound[1]}", flush=True)
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,75 @@
+"""`kvroute proxy`: run the proxy alone, with uvloop, until SIGINT/SIGTERM.
+
+Owns the command line and process lifecycle only; the app is proxy/app.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=None, help="address to bind (default: config's proxy.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default: config's proxy.port, 8000)")
+    p.add_argument("--policy", default=None, help="routing policy (default: config's proxy.policy, kv_aware)")
+    p.add_argument("--config", default=None, help="fleet config file (YAML); without it defaults apply")
+    p.add_argument("--state", default=None, help="'memory' (default) or redis://host:port/db")
+    p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+
+
+def run(args: argparse.Namespace) -> int:
+    from proxy.config import ConfigError, FleetConfig, load_config
+    from proxy.routing.base import policy_names
+
+    try:
+        config = load_config(args.config) if args.config else FleetConfig()
+        if args.host:
+            config.proxy.host = args.host
+        if args.port is not None:
+            config.proxy.port = args.port
+        if args.log_level:
+            config.proxy.log_level = args.log_level
+        if args.state:
+            config.state.url = args.state
+    except (ConfigError, ValueError) as exc:
+        print(f"kvroute proxy: {exc}", file=sys.stderr)
+        return 2
+    if args.policy and args.policy not in policy_names():
+        print(f"kvroute proxy: unknown policy '{args.policy}'; known: {', '.join(policy_names())}", file=sys.stderr)
+        return 2
+    if config.state.url != "memory":
+        print(f"kvroute proxy: state {config.state.url!r} is not supported by this build; use 'memory'",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.proxy.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+    except ImportError:  # uvloop is a dependency; a plain loop still works
+        uvloop = None
+    runner = uvloop.run if uvloop is not None else asyncio.run
+    try:
+        runner(_main(config, args.policy))
+    except ValueError as exc:
+        print(f"kvroute proxy: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+async def _main(config, policy: str | None) -> None:
+    from proxy.app import build_app, serve
+
+    app = build_app(config, policy=policy)
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        await serve(app, config.proxy.host, config.proxy.port)
+    except asyncio.CancelledError:
+        logging.getLogger("kvroute.proxy").info("shutting down")

@@ -1,0 +1,243 @@
+"""One request's journey: resolve the model, pick a worker, forward, retry, and admission control.
+
+Owns the retry loop (connect error / 5xx / 429 before the first byte -> another worker, at
+most `retries` times), the per-model admission queue when every candidate is above the KV
+high-water mark, exact in-flight accounting, and per-request metrics. Forwarding itself is
+upstream.py's; choosing among candidates is the policy's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from proxy.config import FleetConfig
+from proxy.errors import ProxyError, error_response, model_not_found, no_healthy_worker
+from proxy.metrics import ProxyMetrics
+from proxy.registry import Registry, Worker
+from proxy.request import RoutedRequest, parse_request
+from proxy.routing.base import Decision, Policy, PolicyDeps, make_policy
+from proxy.upstream import ForwardResult, RetryableFailure, Upstream, upstream_headers
+
+log = logging.getLogger("kvroute.dispatch")
+
+# While queued, re-check at least this often even without a change notification.
+QUEUE_RECHECK_S = 0.25
+
+
+class PolicySet:
+    """The policy for each model: the model's own from config, else the global one."""
+
+    def __init__(self, config: FleetConfig, global_policy: str, deps: PolicyDeps) -> None:
+        self.deps = deps
+        self.default = make_policy(global_policy, deps)
+        self._by_model: dict[str, Policy] = {}
+        for model in config.models:
+            if model.policy and model.policy != global_policy:
+                self._by_model[model.name] = make_policy(model.policy, deps)
+
+    def for_model(self, model: str) -> Policy:
+        return self._by_model.get(model, self.default)
+
+
+class _AdmissionQueue:
+    __slots__ = ("waiting",)
+
+    def __init__(self) -> None:
+        self.waiting = 0
+
+
+class Dispatcher:
+    """Serves /v1/chat/completions and /v1/completions end to end."""
+
+    def __init__(self, config: FleetConfig, registry: Registry, upstream: Upstream, policies: PolicySet,
+                 metrics: ProxyMetrics) -> None:
+        self.config = config
+        self.proxy_config = config.proxy
+        self.registry = registry
+        self.upstream = upstream
+        self.policies = policies
+        self.metrics = metrics
+        self._queues: dict[str, _AdmissionQueue] = {}
+
+    async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
+        started = time.monotonic()
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        model_label = "unknown"
+        try:
+            body = await self._read_body(request)
+            routed = parse_request(body, kind, request.headers.get("x-session-id"))
+            model_label = routed.model
+            served = self.resolve_model(routed.model)
+            model_label = served
+            return await self._route(request, routed, served, request_id, started)
+        except ProxyError as exc:
+            self.metrics.rejections.labels(model_label, exc.code or str(exc.status)).inc()
+            self.metrics.requests.labels(model_label, "", str(exc.status)).inc()
+            return exc.response({"x-request-id": request_id})
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.proxy_config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise _too_large(limit)
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise _too_large(limit) from None
+
+    def resolve_model(self, name: str) -> str:
+        """The model name workers serve for a requested name or alias; 404 if nobody knows it."""
+        if self.registry.serves(name):
+            return name
+        configured = self.config.model(name)
+        if configured is not None:
+            return configured.name
+        raise model_not_found(name)
+
+    # --- pick -> forward -> retry -------------------------------------------------------
+    async def _route(self, request: web.Request, routed: RoutedRequest, served: str, request_id: str,
+                     started: float) -> web.StreamResponse:
+        policy = self.policies.for_model(served)
+        headers = upstream_headers(request.headers, request_id)
+        body = routed.body_for_model(served)
+        path = request.rel_url.raw_path_qs
+        tried: set[str] = set()
+        last_failure: RetryableFailure | None = None
+        for attempt in range(self.proxy_config.retries + 1):
+            decision = await self._pick(policy, routed, served, tried, first_attempt=attempt == 0)
+            if decision is None:
+                break
+            worker = decision.worker
+            tried.add(worker.worker_id)
+            self.metrics.decisions.labels(policy.name, worker.worker_id, decision.reason).inc()
+            response_headers = {"x-kvroute-worker": worker.worker_id, "x-request-id": request_id}
+            outcome = await self._forward_once(worker, decision, policy, routed, path, body, headers,
+                                               request, response_headers)
+            if isinstance(outcome, RetryableFailure):
+                last_failure = outcome
+                if self.registry.record_failure(worker, outcome.detail):
+                    log.warning("circuit opened for %s after: %s", worker.worker_id, outcome.detail)
+                log.info("request %s: worker %s failed before the first byte (%s); %s", request_id,
+                         worker.worker_id, outcome.detail,
+                         "retrying" if attempt < self.proxy_config.retries else "no retries left")
+                self.metrics.retries.labels(served, outcome.reason).inc()
+                continue
+            self._record(served, worker, outcome, started)
+            return outcome.response
+        return self._exhausted(served, last_failure, request_id, started)
+
+    async def _forward_once(self, worker: Worker, decision: Decision, policy: Policy, routed: RoutedRequest,
+                            path: str, body: bytes, headers, request: web.Request,
+                            response_headers: dict[str, str]) -> ForwardResult | RetryableFailure:
+        now = self.registry.clock()
+        load = worker.load
+        load.start_request(decision.kv_tokens, now)
+        policy.on_dispatch(decision, routed, now)
+        try:
+            return await self.upstream.forward(worker, path, body, headers, request, response_headers,
+                                               routed.stream)
+        finally:
+            # Every path (success, worker failure, client disconnect/cancel) lands here exactly once.
+            load.finish_request(decision.kv_tokens)
+            self.registry.notify_changed()
+
+    def _record(self, served: str, worker: Worker, outcome: ForwardResult, started: float) -> None:
+        if outcome.worker_failed:
+            self.registry.record_failure(worker, "stream broke after the first byte")
+            self.metrics.stream_failures.labels(served, worker.worker_id).inc()
+            status = "stream_error"
+        elif outcome.client_gone:
+            status = "client_closed"
+        else:
+            self.registry.record_success(worker)
+            status = str(outcome.status)
+        self.metrics.requests.labels(served, worker.worker_id, status).inc()
+        end = time.monotonic()
+        self.metrics.latency.labels(served).observe(end - started)
+        if outcome.first_byte_at is not None:
+            self.metrics.ttft.labels(served).observe(outcome.first_byte_at - started)
+
+    def _exhausted(self, served: str, failure: RetryableFailure | None, request_id: str,
+                   started: float) -> web.StreamResponse:
+        headers = {"x-request-id": request_id}
+        if failure is not None and failure.status is not None and failure.body is not None:
+            # Every worker tried answered with an error: pass the last answer on, as the engine wrote it.
+            self.metrics.requests.labels(served, "", str(failure.status)).inc()
+            return web.Response(status=failure.status, body=failure.body, headers=headers,
+                                content_type=(failure.content_type or "application/json").split(";")[0])
+        self.metrics.rejections.labels(served, "no_healthy_worker").inc()
+        self.metrics.requests.labels(served, "", "503").inc()
+        detail = f" (last error: {failure.detail})" if failure else ""
+        return error_response(503, f"No healthy worker could serve model `{served}`{detail}.",
+                              "service_unavailable", code="no_healthy_worker",
+                              headers={**headers, "Retry-After": "1"})
+
+    # --- choosing, with admission control ---------------------------------------------------
+    async def _pick(self, policy: Policy, routed: RoutedRequest, served: str, tried: set[str],
+                    first_attempt: bool) -> Decision | None:
+        """A decision; None when no untried worker is left; ProxyError 503/429 when none can take it."""
+        candidates = self.registry.candidates(served, exclude=tried)
+        if not candidates:
+            if first_attempt:
+                raise no_healthy_worker(served)
+            return None
+        decision = self._choose(policy, routed, candidates)
+        if decision is not None:
+            return decision
+        return await self._wait_for_room(policy, routed, served, tried)
+
+    def _choose(self, policy: Policy, routed: RoutedRequest, candidates: Sequence[Worker]) -> Decision | None:
+        now = self.registry.clock()
+        high_water = self.proxy_config.kv_high_water
+        with_room = [w for w in candidates if w.load.projected_kv_usage(now) < high_water]
+        if not with_room:
+            return None
+        return policy.select(with_room, routed, now)
+
+    async def _wait_for_room(self, policy: Policy, routed: RoutedRequest, served: str,
+                             tried: set[str]) -> Decision | None:
+        queue_cfg = self.proxy_config.queue
+        queue = self._queues.setdefault(served, _AdmissionQueue())
+        if queue.waiting >= queue_cfg.max_length:
+            raise ProxyError(429, f"Every worker for `{served}` is above the KV high-water mark and the "
+                                  f"admission queue is full ({queue_cfg.max_length}).", "rate_limit_error",
+                             code="queue_full", headers={"Retry-After": "1"})
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + queue_cfg.max_wait_s
+        queue.waiting += 1
+        try:
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise ProxyError(503, f"Every worker for `{served}` stayed above the KV high-water mark "
+                                          f"for {queue_cfg.max_wait_s:g}s.", "service_unavailable",
+                                     code="queue_timeout",
+                                     headers={"Retry-After": str(max(1, round(queue_cfg.max_wait_s / 4)))})
+                try:
+                    await asyncio.wait_for(asyncio.shield(self.registry.changed()),
+                                           min(remaining, QUEUE_RECHECK_S))
+                except TimeoutError:
+                    pass
+                candidates = self.registry.candidates(served, exclude=tried)
+                if not candidates:
+                    if tried:
+                        return None
+                    raise no_healthy_worker(served)
+                decision = self._choose(policy, routed, candidates)
+                if decision is not None:
+                    return decision
+        finally:
+            queue.waiting -= 1
+
+    def queue_lengths(self) -> dict[str, int]:
+        return {model: q.waiting for model, q in self._queues.items()}
+
+
+def _too_large(limit: int) -> ProxyError:
+    return ProxyError(413, f"The request body is larger than the proxy's limit of {limit} bytes.",
+                      "invalid_request_error", code="request_too_large")

@@ -1,0 +1,173 @@
+"""Each worker's load as routing sees it: the newest reading, corrected by what was dispatched since.
+
+Owns the arithmetic (projected KV usage, queue depth) and parsing engines' `/metrics` text;
+it does no I/O (proxy/monitor.py scrapes) and knows nothing about worker states.
+
+    projected_kv_usage = reading.kv_usage + pending_tokens / capacity_tokens
+    queue_depth        = reading.num_waiting + pending_requests
+
+`pending` are requests dispatched to the worker too recently to be in its newest reading
+(est. prompt tokens + expected generated tokens each). A reading taken at least
+DISPATCH_VISIBLE_AFTER_S after a dispatch is assumed to include it. A worker with no reading
+at all (not reporting, /metrics unreadable) falls back to the proxy's own in-flight counts.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+# A reading arriving this long after a dispatch already shows that request (as KV use or as
+# num_waiting): one report interval of network + engine scheduling slack.
+DISPATCH_VISIBLE_AFTER_S = 0.1
+# Pending dispatches older than this are dropped even without a new reading: by then the
+# worker is stale and its numbers are not trusted anyway.
+DISPATCH_FORGET_AFTER_S = 5.0
+# KV size assumed for a worker that never said (LMDeploy /nodes/add without a report).
+DEFAULT_CAPACITY_TOKENS = 32768
+
+
+@dataclass(slots=True)
+class EngineReading:
+    """One measurement of a worker's own load (a report or a /metrics scrape)."""
+
+    kv_usage: float
+    num_running: int
+    num_waiting: int
+    capacity_tokens: int | None = None
+    prefix_cache_hit_rate: float = 0.0
+
+
+class WorkerLoad:
+    """Load bookkeeping for one worker; cheap enough to consult on every routing decision."""
+
+    __slots__ = ("capacity_tokens", "reading", "reading_at", "reading_source", "_pending", "_pending_tokens",
+                 "in_flight", "in_flight_tokens", "dispatched_total")
+
+    def __init__(self, capacity_tokens: int | None = None) -> None:
+        self.capacity_tokens = capacity_tokens or DEFAULT_CAPACITY_TOKENS
+        self.reading: EngineReading | None = None
+        self.reading_at: float | None = None
+        self.reading_source: str | None = None
+        self._pending: deque[tuple[float, int]] = deque()
+        self._pending_tokens = 0
+        self.in_flight = 0
+        self.in_flight_tokens = 0
+        self.dispatched_total = 0
+
+    # --- events -------------------------------------------------------------------------
+    def record_reading(self, reading: EngineReading, now: float, source: str) -> None:
+        self.reading = reading
+        self.reading_at = now
+        self.reading_source = source
+        if reading.capacity_tokens:
+            self.capacity_tokens = reading.capacity_tokens
+        self._forget_before(now - DISPATCH_VISIBLE_AFTER_S)
+
+    def start_request(self, kv_tokens: int, now: float) -> None:
+        """A request was sent to this worker (exactly once per attempt; pair with finish_request)."""
+        self.in_flight += 1
+        self.in_flight_tokens += kv_tokens
+        self.dispatched_total += 1
+        self._pending.append((now, kv_tokens))
+        self._pending_tokens += kv_tokens
+
+    def finish_request(self, kv_tokens: int) -> None:
+        self.in_flight -= 1
+        self.in_flight_tokens -= kv_tokens
+
+    # --- views --------------------------------------------------------------------------
+    def has_reading(self) -> bool:
+        return self.reading is not None
+
+    def projected_kv_usage(self, now: float) -> float:
+        """KV usage the worker will have once what the proxy already sent it is admitted."""
+        if self.reading is None:
+            return self.in_flight_tokens / self.capacity_tokens
+        self._forget_before(now - DISPATCH_FORGET_AFTER_S)
+        return self.reading.kv_usage + self._pending_tokens / self.capacity_tokens
+
+    def queue_depth(self, now: float) -> int:
+        """Requests waiting at the worker, counting the ones sent since its last reading."""
+        if self.reading is None:
+            return self.in_flight
+        self._forget_before(now - DISPATCH_FORGET_AFTER_S)
+        return self.reading.num_waiting + len(self._pending)
+
+    def pending_requests(self) -> int:
+        return len(self._pending)
+
+    def _forget_before(self, cutoff: float) -> None:
+        pending = self._pending
+        while pending and pending[0][0] <= cutoff:
+            self._pending_tokens -= pending.popleft()[1]
+
+
+# --- /metrics scraping (vLLM and LMDeploy names; see shared/notes/engines.md) ---------------
+
+_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "lmdeploy:gpu_cache_usage_perc")
+_RUNNING = ("vllm:num_requests_running", "lmdeploy:num_requests_running")
+_WAITING = ("vllm:num_requests_waiting", "lmdeploy:num_requests_waiting")
+_HIT_RATE = ("lmdeploy:prefix_cache_hit_rate",)
+_CACHE_INFO = "vllm:cache_config_info"
+
+
+def parse_engine_metrics(text: str) -> EngineReading | None:
+    """Read KV usage, running/waiting counts and KV size from Prometheus text; None if absent.
+
+    Several label sets (one per served model) are combined: usage by max, counts by sum.
+    """
+    usage: float | None = None
+    running = waiting = 0
+    hit_rate = 0.0
+    capacity: int | None = None
+    for line in text.splitlines():
+        if not line.startswith(("vllm:", "lmdeploy:")):
+            continue
+        end = len(line)
+        for sep in ("{", " "):
+            idx = line.find(sep)
+            if 0 <= idx < end:
+                end = idx
+        name = line[:end]
+        if name.endswith("_created"):
+            continue
+        rest = line[line.rfind("}") + 1:] if line[end:end + 1] == "{" else line[end:]
+        try:
+            value = float(rest.split()[0])
+        except (ValueError, IndexError):
+            continue
+        if name in _USAGE:
+            usage = max(usage or 0.0, value)
+        elif name in _RUNNING:
+            running += int(value)
+        elif name in _WAITING:
+            waiting += int(value)
+        elif name in _HIT_RATE:
+            hit_rate = max(hit_rate, value)
+        elif name == _CACHE_INFO:
+            capacity = _capacity_from_cache_info(line) or capacity
+    if usage is None:
+        return None
+    # vLLM's name says "perc" but the value is a fraction; LMDeploy's too. Guard a true percent.
+    if usage > 1.0:
+        usage /= 100.0
+    return EngineReading(min(max(usage, 0.0), 1.0), running, waiting, capacity, hit_rate)
+
+
+def _capacity_from_cache_info(line: str) -> int | None:
+    labels = dict(_labels(line))
+    try:
+        return int(labels["block_size"]) * int(labels["num_gpu_blocks"])
+    except (KeyError, ValueError):
+        return None
+
+
+def _labels(line: str) -> list[tuple[str, str]]:
+    start, end = line.find("{"), line.rfind("}")
+    out = []
+    for item in line[start + 1:end].split(","):
+        key, _, value = item.partition("=")
+        if key:
+            out.append((key.strip(), value.strip().strip('"')))
+    return out

@@ -1,0 +1,77 @@
+"""The proxy's Prometheus metrics (prefix `kvroute:`), one CollectorRegistry per app.
+
+Owns metric definitions and the per-worker gauges read from the registry at scrape time;
+events are recorded by the layer where they happen (dispatch, upstream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from proxy.registry import Registry, WorkerState
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class ProxyMetrics:
+    """Counters and histograms the request path updates, plus worker gauges computed on scrape."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.collector_registry = CollectorRegistry(auto_describe=False)
+        r = self.collector_registry
+        self.requests = Counter("kvroute:requests", "Requests finished, by model, worker and status",
+                                ["model", "worker", "status"], registry=r)
+        self.latency = Histogram("kvroute:request_latency_seconds", "Request received -> response finished",
+                                 ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("kvroute:time_to_first_byte_seconds",
+                              "Request received -> first response byte sent to the client (TTFT for streams)",
+                              ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.decisions = Counter("kvroute:routing_decisions", "Routing decisions, by policy, worker and reason",
+                                 ["policy", "worker", "reason"], registry=r)
+        self.retries = Counter("kvroute:retries", "Requests moved to another worker before the first byte",
+                               ["model", "reason"], registry=r)
+        self.rejections = Counter("kvroute:rejections", "Requests answered with an error by the proxy itself",
+                                  ["model", "reason"], registry=r)
+        self.stream_failures = Counter("kvroute:stream_failures", "Streams a worker broke after the first byte",
+                                       ["model", "worker"], registry=r)
+        r.register(_WorkerGauges(registry))
+
+    def render(self) -> bytes:
+        return generate_latest(self.collector_registry)
+
+
+class _WorkerGauges(Collector):
+    """Per-worker state read from the registry when /metrics is scraped (no bookkeeping per event)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        now = self.registry.clock()
+        in_flight = GaugeMetricFamily("kvroute:worker_in_flight", "Requests in flight to the worker", labels=["worker"])
+        kv = GaugeMetricFamily("kvroute:worker_kv_usage", "KV cache usage the worker last reported (0..1)",
+                               labels=["worker"])
+        projected = GaugeMetricFamily("kvroute:worker_projected_kv_usage",
+                                      "Reported KV usage plus what was dispatched since", labels=["worker"])
+        waiting = GaugeMetricFamily("kvroute:worker_queue", "Requests waiting at the worker (last report)",
+                                    labels=["worker"])
+        running = GaugeMetricFamily("kvroute:worker_running", "Requests running at the worker (last report)",
+                                    labels=["worker"])
+        state = GaugeMetricFamily("kvroute:worker_state", "1 for the worker's current state", labels=["worker", "state"])
+        for worker in self.registry.workers():
+            wid = worker.worker_id
+            load = worker.load
+            in_flight.add_metric([wid], load.in_flight)
+            projected.add_metric([wid], load.projected_kv_usage(now))
+            if load.reading is not None:
+                kv.add_metric([wid], load.reading.kv_usage)
+                waiting.add_metric([wid], load.reading.num_waiting)
+                running.add_metric([wid], load.reading.num_running)
+            current = worker.state(now)
+            for s in WorkerState:
+                state.add_metric([wid, s.value], 1.0 if s is current else 0.0)
+        yield from (in_flight, kv, projected, waiting, running, state)

@@ -1,0 +1,158 @@
+"""Background health probes and /metrics scrapes, and adding workers by URL alone.
+
+Owns the I/O that keeps the registry's view honest for workers that do not report (static
+config workers, LMDeploy /nodes/add): scrape /metrics a few times a second, probe /health,
+and probe stale reporting workers. State transitions themselves are the registry's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import aiohttp
+
+from proxy.loadview import parse_engine_metrics
+from proxy.protocol import WorkerRegistration
+from proxy.registry import Registry, Worker, WorkerState
+
+log = logging.getLogger("kvroute.monitor")
+
+CHECK_INTERVAL_S = 0.25
+SCRAPE_INTERVAL_S = 0.5      # non-reporting workers: /metrics at 2 Hz
+PROBE_INTERVAL_S = 1.0       # stale or unhealthy workers: /health once a second
+PROBE_TIMEOUT_S = 2.0
+
+
+async def probe_models(session: aiohttp.ClientSession, url: str) -> tuple[list[str], int | None]:
+    """The model ids (and max_model_len, if given) a worker's /v1/models lists; raises on failure."""
+    timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S * 2)
+    async with session.get(url.rstrip("/") + "/v1/models", timeout=timeout) as resp:
+        resp.raise_for_status()
+        body = await resp.json(content_type=None)
+    data = body.get("data", []) if isinstance(body, dict) else []
+    models = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    lengths = [m.get("max_model_len") for m in data if isinstance(m, dict) and isinstance(m.get("max_model_len"), int)]
+    if not models:
+        raise ValueError(f"{url}/v1/models lists no models")
+    return models, (max(lengths) if lengths else None)
+
+
+class HealthMonitor:
+    """One background task checking every worker that needs it, each at its own cadence."""
+
+    def __init__(self, registry: Registry, session_provider) -> None:
+        self.registry = registry
+        self._session_provider = session_provider  # the Upstream; its session exists once started
+        self._last_check: dict[str, float] = {}
+        self._busy: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._main: asyncio.Task[None] | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        return self._session_provider.session
+
+    def start(self) -> None:
+        self._main = asyncio.create_task(self._run(), name="kvroute-monitor")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._main, *self._tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def add_by_url(self, url: str, models: list[str] | None = None, engine: str = "unknown",
+                         source: str = "nodes", labels: dict[str, str] | None = None) -> Worker:
+        """Register a non-reporting worker; without `models`, ask its /v1/models (raises if it cannot)."""
+        max_len = None
+        if not models:
+            models, max_len = await probe_models(self.session, url)
+        reg = WorkerRegistration(url=url, models=models, engine=engine, reports=False, max_model_len=max_len,  # type: ignore[arg-type]
+                                 labels=labels or {})
+        worker = self.registry.register(reg, source=source)
+        self._last_check.pop(worker.worker_id, None)
+        return worker
+
+    async def add_static(self, url: str, models: list[str], engine: str) -> None:
+        """Config's static workers: keep trying until the worker answers /v1/models (it may start later)."""
+        delay = 0.5
+        while True:
+            try:
+                await self.add_by_url(url, models or None, engine, source="static")
+                return
+            except (TimeoutError, aiohttp.ClientError, ValueError, OSError) as exc:
+                log.info("static worker %s not available yet (%s); retrying in %.1fs", url, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+    def spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self) -> None:
+        while True:
+            now = self.registry.clock()
+            for worker in self.registry.workers():
+                interval = self._interval(worker, now)
+                if interval is None or worker.worker_id in self._busy:
+                    continue
+                if now - self._last_check.get(worker.worker_id, -1e9) < interval:
+                    continue
+                self._last_check[worker.worker_id] = now
+                self._busy.add(worker.worker_id)
+                self.spawn(self._check(worker))
+            await asyncio.sleep(CHECK_INTERVAL_S)
+
+    def _interval(self, worker: Worker, now: float) -> float | None:
+        if not worker.reports:
+            return SCRAPE_INTERVAL_S
+        state = worker.state(now)
+        if state in (WorkerState.STALE, WorkerState.UNHEALTHY):
+            return PROBE_INTERVAL_S
+        return None  # a reporting, fresh worker needs no probing
+
+    async def _check(self, worker: Worker) -> None:
+        try:
+            if not worker.reports and await self._scrape(worker):
+                return
+            ok, error = await self._probe_health(worker)
+            if worker.reports or not ok:
+                self.registry.record_probe(worker, ok, error)
+            else:
+                self.registry.record_scrape(worker, None)  # answers, but has no /metrics we can read
+        finally:
+            self._busy.discard(worker.worker_id)
+
+    async def _scrape(self, worker: Worker) -> bool:
+        try:
+            async with self.session.get(worker.url + "/metrics",
+                                        timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
+                if resp.status != 200:
+                    return False
+                text = await resp.text()
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return False
+        reading = parse_engine_metrics(text)
+        if reading is None:
+            return False
+        self.registry.record_scrape(worker, reading)
+        return True
+
+    async def _probe_health(self, worker: Worker) -> tuple[bool, str | None]:
+        started = time.monotonic()
+        try:
+            async with self.session.get(worker.url + "/health",
+                                        timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    return True, None
+                return False, f"/health answered {resp.status}"
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            log.debug("probe of %s failed after %.2fs: %r", worker.worker_id, time.monotonic() - started, exc)
+            return False, f"/health probe failed: {type(exc).__name__}"

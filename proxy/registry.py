@@ -1,0 +1,263 @@
+"""The worker registry: who serves what, each worker's state, and its circuit breaker.
+
+Owns workers and their transitions (ready, stale, unhealthy, draining, and recovery); does
+no I/O. Handlers and policies ask it questions through methods; proxy/monitor.py probes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from enum import StrEnum
+from typing import Any
+from urllib.parse import urlsplit
+
+from proxy.loadview import EngineReading, WorkerLoad
+from proxy.protocol import STALE_AFTER_S, LoadReport, WorkerRegistration
+
+
+class WorkerState(StrEnum):
+    READY = "ready"
+    STALE = "stale"            # reports stopped: routed to only when no ready worker exists
+    UNHEALTHY = "unhealthy"    # failed probe, circuit open, or the worker says it failed
+    DRAINING = "draining"      # finishes what it has, takes nothing new
+
+
+class CircuitBreaker:
+    """Opens after consecutive failures; after a cooldown one trial request is let through.
+
+    A failed trial reopens it with a doubled cooldown; a success closes it. Failures here are
+    what the forwarder saw (connect errors, 5xx, broken streams), not client errors.
+    """
+
+    FAILURES_TO_OPEN = 3
+    BASE_COOLDOWN_S = 2.0
+    MAX_COOLDOWN_S = 30.0
+
+    __slots__ = ("failures", "open_until", "cooldown_s")
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.open_until = 0.0
+        self.cooldown_s = self.BASE_COOLDOWN_S
+
+    def is_open(self, now: float) -> bool:
+        return now < self.open_until
+
+    def record_success(self) -> None:
+        self.failures = 0
+        self.open_until = 0.0
+        self.cooldown_s = self.BASE_COOLDOWN_S
+
+    def record_failure(self, now: float) -> bool:
+        """Count a failure; True when this one opened the circuit."""
+        self.failures += 1
+        if self.failures < self.FAILURES_TO_OPEN:
+            return False
+        self.open_until = now + self.cooldown_s
+        self.cooldown_s = min(self.cooldown_s * 2, self.MAX_COOLDOWN_S)
+        self.failures = self.FAILURES_TO_OPEN - 1  # half-open: the next failure reopens at once
+        return True
+
+    def reset(self) -> None:
+        self.record_success()
+
+
+class Worker:
+    """One engine endpoint behind the proxy."""
+
+    def __init__(self, worker_id: str, url: str, models: Iterable[str], *, engine: str = "unknown",
+                 capacity_tokens: int | None = None, max_model_len: int | None = None, reports: bool = True,
+                 labels: dict[str, str] | None = None, source: str = "api", now: float = 0.0) -> None:
+        self.worker_id = worker_id
+        self.url = url.rstrip("/")
+        self.models: tuple[str, ...] = tuple(dict.fromkeys(models))
+        self.engine = engine
+        self.max_model_len = max_model_len
+        self.reports = reports
+        self.labels = dict(labels or {})
+        self.source = source
+        self.load = WorkerLoad(capacity_tokens)
+        self.breaker = CircuitBreaker()
+        self.registered_at = time.time()
+        self.registered_mono = now
+        self.last_report: LoadReport | None = None
+        self.reported_state = "ready"
+        self.drain_requested = False
+        self.probe_failed = False
+        self.last_error: str | None = None
+
+    def serves(self, model: str) -> bool:
+        return model in self.models
+
+    def state(self, now: float) -> WorkerState:
+        if self.drain_requested or self.reported_state == "draining":
+            return WorkerState.DRAINING
+        if self.probe_failed or self.reported_state == "failed" or self.breaker.is_open(now):
+            return WorkerState.UNHEALTHY
+        if self.reports:
+            last = self.load.reading_at if self.load.reading_at is not None else self.registered_mono
+            if now - last > STALE_AFTER_S or self.reported_state == "starting":
+                return WorkerState.STALE
+        return WorkerState.READY
+
+    def to_json(self, now: float) -> dict[str, Any]:
+        load = self.load
+        age = None if load.reading_at is None else round(now - load.reading_at, 3)
+        return {
+            "worker_id": self.worker_id, "url": self.url, "models": list(self.models), "engine": self.engine,
+            "state": self.state(now).value, "source": self.source, "reports": self.reports,
+            "in_flight": load.in_flight, "dispatched_total": load.dispatched_total,
+            "kv_capacity_tokens": load.capacity_tokens, "max_model_len": self.max_model_len,
+            "projected_kv_usage": round(load.projected_kv_usage(now), 4), "queue_depth": load.queue_depth(now),
+            "reading_source": load.reading_source, "reading_age_s": age,
+            "last_report": self.last_report.model_dump(mode="json") if self.last_report else None,
+            "breaker_open": self.breaker.is_open(now), "last_error": self.last_error,
+            "registered_at": self.registered_at, "labels": self.labels,
+        }
+
+
+def worker_id_from_url(url: str) -> str:
+    parts = urlsplit(url)
+    return (parts.netloc or url).replace(":", "-").replace("/", "-")
+
+
+class Registry:
+    """All workers, by id. Every mutation goes through a method so states stay consistent."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._workers: dict[str, Worker] = {}
+        self._changed: asyncio.Future[None] | None = None
+
+    # --- membership ---------------------------------------------------------------------
+    def register(self, reg: WorkerRegistration, source: str = "api") -> Worker:
+        """Add a worker, or refresh one that registers again under the same id (keeping its load)."""
+        worker_id = reg.worker_id or worker_id_from_url(reg.url)
+        url = reg.url.rstrip("/")
+        for other in list(self._workers.values()):  # one URL is one worker, whatever it was called
+            if other.url == url and other.worker_id != worker_id:
+                del self._workers[other.worker_id]
+        existing = self._workers.get(worker_id)
+        worker = Worker(worker_id, url, reg.models, engine=reg.engine, capacity_tokens=reg.kv_capacity_tokens,
+                        max_model_len=reg.max_model_len, reports=reg.reports, labels=reg.labels, source=source,
+                        now=self.clock())
+        if existing is not None:
+            worker.load = existing.load  # in-flight requests still finish against these counters
+            if reg.kv_capacity_tokens:
+                worker.load.capacity_tokens = reg.kv_capacity_tokens
+        self._workers[worker_id] = worker
+        self.notify_changed()
+        return worker
+
+    def remove(self, worker_id: str) -> Worker | None:
+        worker = self._workers.pop(worker_id, None)
+        if worker is not None:
+            self.notify_changed()
+        return worker
+
+    def remove_url(self, url: str) -> Worker | None:
+        url = url.rstrip("/")
+        for worker in list(self._workers.values()):
+            if worker.url == url:
+                return self.remove(worker.worker_id)
+        return None
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self._workers.get(worker_id)
+
+    def workers(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    # --- reports and health -------------------------------------------------------------
+    def record_report(self, worker_id: str, report: LoadReport) -> bool:
+        """Take a load report; False if the worker is unknown (it should register again)."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return False
+        last = worker.last_report
+        if last is not None and report.seq <= last.seq:
+            return True  # out of order: an older report must not overwrite a newer one
+        worker.last_report = report
+        worker.reported_state = report.state
+        worker.probe_failed = False
+        worker.load.record_reading(EngineReading(report.kv_cache_usage, report.num_running, report.num_waiting,
+                                                 report.kv_capacity_tokens or None, report.prefix_cache_hit_rate),
+                                   self.clock(), "report")
+        self.notify_changed()
+        return True
+
+    def record_scrape(self, worker: Worker, reading: EngineReading | None) -> None:
+        """A successful /metrics scrape or health probe of a non-reporting worker."""
+        worker.probe_failed = False
+        if reading is not None:
+            worker.load.record_reading(reading, self.clock(), "metrics")
+        self.notify_changed()
+
+    def record_probe(self, worker: Worker, ok: bool, error: str | None = None) -> None:
+        was_failed = worker.probe_failed
+        worker.probe_failed = not ok
+        if not ok:
+            worker.last_error = error
+        if ok and was_failed:
+            worker.breaker.reset()  # the worker answers again: give it traffic back at once
+        if was_failed != worker.probe_failed:
+            self.notify_changed()
+
+    def record_success(self, worker: Worker) -> None:
+        worker.breaker.record_success()
+
+    def record_failure(self, worker: Worker, error: str) -> bool:
+        """The forwarder saw this worker fail; True when that opened its circuit."""
+        worker.last_error = error
+        return worker.breaker.record_failure(self.clock())
+
+    def drain(self, worker_id: str) -> Worker | None:
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            worker.drain_requested = True
+            self.notify_changed()
+        return worker
+
+    # --- questions ----------------------------------------------------------------------
+    def serves(self, model: str) -> bool:
+        return any(w.serves(model) for w in self._workers.values())
+
+    def served_models(self) -> dict[str, list[Worker]]:
+        out: dict[str, list[Worker]] = {}
+        for worker in self._workers.values():
+            for model in worker.models:
+                out.setdefault(model, []).append(worker)
+        return out
+
+    def candidates(self, model: str, exclude: Iterable[str] = ()) -> list[Worker]:
+        """Workers that may take a new request for `model`: ready ones, else stale ones."""
+        now = self.clock()
+        ready: list[Worker] = []
+        stale: list[Worker] = []
+        for worker in self._workers.values():
+            if not worker.serves(model) or worker.worker_id in exclude:
+                continue
+            state = worker.state(now)
+            if state is WorkerState.READY:
+                ready.append(worker)
+            elif state is WorkerState.STALE:
+                stale.append(worker)
+        return ready or stale
+
+    # --- change notification (wakes requests waiting in the admission queue) -------------
+    def notify_changed(self) -> None:
+        fut = self._changed
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+        self._changed = None
+
+    def changed(self) -> asyncio.Future[None]:
+        """A future that completes at the next report, completion, or membership change."""
+        if self._changed is None:
+            self._changed = asyncio.get_running_loop().create_future()
+        return self._changed

@@ -1,0 +1,85 @@
+"""The routing interface: a policy picks one worker among candidates for one request.
+
+Owns the Policy base class, the Decision it returns, and the name -> policy factory; it does
+not filter candidates (dispatch passes only workers that may take work) and does no I/O.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from proxy.registry import Worker
+from proxy.request import RoutedRequest
+from proxy.routing.prefix_index import PrefixIndex
+
+# name -> "module:Class". Adding a policy: one new file and one line here.
+POLICIES: dict[str, str] = {
+    "kv_aware": "proxy.routing.kv_aware:KvAwarePolicy",
+    "prefix": "proxy.routing.prefix:PrefixPolicy",
+    "least_requests": "proxy.routing.least_requests:LeastRequestsPolicy",
+    "power_of_two": "proxy.routing.power_of_two:PowerOfTwoPolicy",
+    "round_robin": "proxy.routing.round_robin:RoundRobinPolicy",
+    "random": "proxy.routing.random_choice:RandomPolicy",
+    "session": "proxy.routing.session:SessionPolicy",
+    "lmdeploy_min_expected_latency": "proxy.routing.lmdeploy_min_expected_latency:MinExpectedLatencyPolicy",
+}
+
+
+@dataclass(slots=True)
+class Decision:
+    """The chosen worker and why; `kv_tokens` is the KV the request is expected to add there."""
+
+    worker: Worker
+    reason: str
+    kv_tokens: int
+    scores: dict[str, float] | None = None
+
+
+@dataclass
+class PolicyDeps:
+    """What policies may share: the prefix index and a random source."""
+
+    prefix_index: PrefixIndex = field(default_factory=PrefixIndex)
+    rng: random.Random = field(default_factory=random.Random)
+
+
+class Policy(ABC):
+    """Pick a worker. `candidates` is never empty; every candidate serves the request's model."""
+
+    name: ClassVar[str]
+
+    def __init__(self, deps: PolicyDeps) -> None:
+        self.deps = deps
+
+    @abstractmethod
+    def select(self, candidates: Sequence[Worker], request: RoutedRequest, now: float) -> Decision:
+        ...
+
+    def on_dispatch(self, decision: Decision, request: RoutedRequest, now: float) -> None:
+        """Called once the request is sent to decision.worker (hook for cache-aware policies)."""
+        return None
+
+    # shared helpers -----------------------------------------------------------------------
+    def least_in_flight(self, candidates: Sequence[Worker]) -> Worker:
+        best = min(w.load.in_flight for w in candidates)
+        tied = [w for w in candidates if w.load.in_flight == best]
+        return tied[0] if len(tied) == 1 else self.deps.rng.choice(tied)
+
+
+def policy_names() -> list[str]:
+    return list(POLICIES)
+
+
+def make_policy(name: str, deps: PolicyDeps) -> Policy:
+    """Instantiate a policy by name; ValueError naming the known ones for an unknown name."""
+    target = POLICIES.get(name)
+    if target is None:
+        raise ValueError(f"unknown routing policy '{name}'; known: {', '.join(POLICIES)}")
+    module_name, class_name = target.split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(deps)

@@ -1,0 +1,25 @@
+"""round_robin: each candidate in turn, per model.
+
+Owns one counter per model; the order follows the registry's (registration) order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from proxy.registry import Worker
+from proxy.request import RoutedRequest
+from proxy.routing.base import Decision, Policy, PolicyDeps
+
+
+class RoundRobinPolicy(Policy):
+    name = "round_robin"
+
+    def __init__(self, deps: PolicyDeps) -> None:
+        super().__init__(deps)
+        self._next: dict[str, int] = {}
+
+    def select(self, candidates: Sequence[Worker], request: RoutedRequest, now: float) -> Decision:
+        turn = self._next.get(request.model, 0)
+        self._next[request.model] = turn + 1
+        return Decision(candidates[turn % len(candidates)], "round_robin", request.expected_kv_tokens)
