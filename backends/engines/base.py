@@ -1,0 +1,100 @@
+"""What an engine adapter is: how to launch one engine's OpenAI server and read its load.
+
+Owns the adapter interface, the launch description and a small Prometheus text parser;
+it does not start processes (backends/worker.py does) nor talk to the proxy (reporter.py).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import aiohttp
+
+from backends.reporter import Load
+
+Labels = dict[str, str]
+Samples = dict[str, list[tuple[Labels, float]]]
+
+
+@dataclass
+class EngineLaunch:
+    """Everything an adapter needs to build the engine's command line and environment."""
+
+    model: str
+    served_model_name: str
+    host: str
+    port: int
+    device: str  # "cpu" | "cuda"
+    gpus: list[str] = field(default_factory=list)
+    engine_args: list[str] = field(default_factory=list)
+
+    def has_arg(self, *names: str) -> bool:
+        """True when the user already passed one of these flags (as `--flag v` or `--flag=v`)."""
+        return any(a == n or a.startswith(n + "=") for a in self.engine_args for n in names)
+
+
+class EngineAdapter(Protocol):
+    """One engine family (vLLM, LMDeploy). Instances hold per-worker reading state."""
+
+    family: str  # the --engine name: "vllm" | "turbomind"
+    ready_path: str  # GET on the engine that answers 200 once it serves
+
+    def command(self, launch: EngineLaunch) -> list[str]: ...
+
+    def environment(self, launch: EngineLaunch, base: Mapping[str, str]) -> dict[str, str]: ...
+
+    def observe_log_line(self, line: str) -> None:
+        """Called with every line the engine prints (e.g. to learn which backend really runs)."""
+
+    @property
+    def running_engine(self) -> str:
+        """The engine actually serving, as protocol.EngineName ('vllm', 'turbomind', 'pytorch')."""
+
+    async def read_load(self, session: aiohttp.ClientSession, base_url: str) -> Load: ...
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_samples(text: str, names: Iterable[str]) -> Samples:
+    """Samples of the named series from Prometheus text format, skipping every other line.
+
+    vLLM's /metrics is tens of kilobytes of histograms; read at 4 Hz, a full parser would
+    cost more CPU than the engine's own step on a small model, so only wanted names are parsed.
+    """
+    wanted = set(names)
+    prefixes = tuple(wanted)
+    out: Samples = {}
+    for line in text.splitlines():
+        if not line.startswith(prefixes):
+            continue
+        m = _SAMPLE.match(line)
+        if not m or m.group(1) not in wanted:
+            continue
+        try:
+            value = float(m.group(4))
+        except ValueError:
+            continue
+        labels = dict(_LABEL.findall(m.group(3) or ""))
+        out.setdefault(m.group(1), []).append((labels, value))
+    return out
+
+
+def total(samples: Samples, name: str) -> float | None:
+    values = [v for _, v in samples.get(name, [])]
+    return sum(values) if values else None
+
+
+def mean(samples: Samples, name: str) -> float | None:
+    values = [v for _, v in samples.get(name, [])]
+    return sum(values) / len(values) if values else None
+
+
+async def fetch_metrics(session: aiohttp.ClientSession, base_url: str) -> str:
+    async with session.get(f"{base_url}/metrics") as resp:
+        resp.raise_for_status()
+        return await resp.text()

@@ -1,0 +1,107 @@
+"""The LMDeploy adapter (`--engine turbomind`): api_server command line, which engine really runs, and load.
+
+Owns LMDeploy specifics only; the supervisor (backends/worker.py) runs the process. Needs an
+NVIDIA GPU; nothing here imports lmdeploy.
+
+- Command: `lmdeploy serve api_server MODEL --backend turbomind --server-name H --server-port P
+  --tp N --model-name NAME`, N = number of --gpus. We never pass LMDeploy's own `--proxy-url`:
+  the supervisor registers (with retries) and reports load itself.
+- Which engine runs: LMDeploy 0.18 has no TurboMind support for Qwen3-VL and silently falls
+  back to its PyTorch engine, logging `Fallback to pytorch engine because ...` (lmdeploy/archs.py).
+  The supervisor feeds every engine log line to `observe_log_line`; that line switches the
+  reported engine to "pytorch". `--backend pytorch` in the engine args also means "pytorch".
+- Load at 4 Hz: LMDeploy's scheduler gauges (`lmdeploy:gpu_cache_usage_perc`,
+  `lmdeploy:num_requests_running`, `lmdeploy:num_requests_waiting`,
+  `lmdeploy:prefix_cache_hit_rate`) are refreshed only every 10 s. Its request histograms are
+  recorded from the per-iteration metrics queue instead, i.e. as requests progress:
+  `lmdeploy:time_to_first_token_seconds_count` grows when a request emits its first token and
+  `lmdeploy:e2e_request_latency_seconds_count` when one finishes. So we poll /metrics at the
+  report rate and use
+    running (live)  = ttft_count - e2e_count   (requests decoding right now)
+    kv usage (live) = gauge_usage x running_live / gauge_running   (a projection: each running
+                      request keeps the average footprint it had at the last 10 s refresh;
+                      the gauge itself when the refresh saw no running request)
+    waiting         = the 10 s gauge (requests not yet prefilled are invisible to the counters;
+                      the proxy's own dispatch-since-report correction covers the gap)
+    prefix hit rate = the 10 s gauge (a slow-moving rate anyway).
+  Where the counters are missing (older LMDeploy, metrics off) the gauges are reported as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import aiohttp
+
+from backends.engines.base import EngineLaunch, Samples, fetch_metrics, mean, parse_samples, total
+from backends.reporter import Load
+
+KV_USAGE = "lmdeploy:gpu_cache_usage_perc"
+RUNNING = "lmdeploy:num_requests_running"
+WAITING = "lmdeploy:num_requests_waiting"
+PREFIX_HIT_RATE = "lmdeploy:prefix_cache_hit_rate"
+FIRST_TOKENS = "lmdeploy:time_to_first_token_seconds_count"
+FINISHED = "lmdeploy:e2e_request_latency_seconds_count"
+METRIC_NAMES = (KV_USAGE, RUNNING, WAITING, PREFIX_HIT_RATE, FIRST_TOKENS, FINISHED)
+FALLBACK_MARKER = "Fallback to pytorch engine"
+
+
+def _arg_value(args: list[str], name: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def projected_load(samples: Samples) -> Load:
+    """The 4 Hz load estimate described in the module docstring."""
+    gauge_usage = mean(samples, KV_USAGE) or 0.0
+    gauge_running = int(total(samples, RUNNING) or 0)
+    waiting = int(total(samples, WAITING) or 0)
+    hit_rate = mean(samples, PREFIX_HIT_RATE) or 0.0
+    first_tokens, finished = total(samples, FIRST_TOKENS), total(samples, FINISHED)
+    if first_tokens is None or finished is None:
+        return Load(gauge_usage, gauge_running, waiting, hit_rate)
+    running = max(int(first_tokens - finished), 0)
+    usage = gauge_usage * running / gauge_running if gauge_running > 0 else gauge_usage
+    return Load(min(max(usage, 0.0), 1.0), running, waiting, hit_rate)
+
+
+class TurbomindAdapter:
+    family = "turbomind"
+    ready_path = "/v1/models"
+
+    def __init__(self) -> None:
+        self._engine = "turbomind"
+
+    @property
+    def running_engine(self) -> str:
+        return self._engine
+
+    def command(self, launch: EngineLaunch) -> list[str]:
+        cmd = ["lmdeploy", "serve", "api_server", launch.model]
+        backend = _arg_value(launch.engine_args, "--backend")
+        if backend is None:
+            cmd += ["--backend", "turbomind"]
+        elif backend == "pytorch":
+            self._engine = "pytorch"
+        cmd += ["--server-name", launch.host, "--server-port", str(launch.port),
+                "--model-name", launch.served_model_name]
+        if launch.gpus and not launch.has_arg("--tp"):
+            cmd += ["--tp", str(len(launch.gpus))]
+        return cmd + list(launch.engine_args)
+
+    def environment(self, launch: EngineLaunch, base: Mapping[str, str]) -> dict[str, str]:
+        env = dict(base)
+        if launch.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(launch.gpus)
+        return env
+
+    def observe_log_line(self, line: str) -> None:
+        if FALLBACK_MARKER in line:
+            self._engine = "pytorch"
+
+    async def read_load(self, session: aiohttp.ClientSession, base_url: str) -> Load:
+        return projected_load(parse_samples(await fetch_metrics(session, base_url), METRIC_NAMES))

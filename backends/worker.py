@@ -1,0 +1,241 @@
+"""`kvroute worker --engine vllm|turbomind`: the supervisor around one engine's own OpenAI server.
+
+Owns the engine process's lifecycle (start, readiness, death, drain, stop) and wires its load
+into backends.reporter.ProxyReporter; how to launch and read each engine lives in backends/engines/.
+
+Port layout: the engine itself listens on --port (or --engine-port when given) and the proxy
+forwards straight to it, so every OpenAI feature of the engine is kept; the supervisor serves no
+HTTP. It reads the engine's /metrics on loopback at the report rate.
+
+Orphans: the engine runs under backends/engines/guard.py, which has PR_SET_PDEATHSIG and takes
+the engine's whole process group (vLLM's EngineCore included) down when the supervisor dies,
+even by SIGKILL, when a stop is requested, or when the engine itself dies. The engine's output is kept in a log file (KVROUTE_LOG_DIR, default the
+temp dir) and relayed to the supervisor's stdout, prefixed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from backends.engines.base import EngineAdapter, EngineLaunch
+from backends.engines.guard import set_parent_death_signal
+from backends.reporter import Load, ProxyReporter
+from proxy.protocol import WorkerRegistration
+
+log = logging.getLogger("kvroute.worker")
+ENGINE_STOP_GRACE_S = 15.0
+
+
+class EngineFailed(RuntimeError):
+    """The engine exited, or never became ready."""
+
+
+def make_adapter(engine: str) -> EngineAdapter:
+    if engine == "vllm":
+        from backends.engines.vllm import VllmAdapter
+        return VllmAdapter()
+    if engine == "turbomind":
+        from backends.engines.turbomind import TurbomindAdapter
+        return TurbomindAdapter()
+    raise ValueError(f"no supervisor for engine {engine!r}")
+
+
+def _guard_preexec(parent_pid: int) -> None:
+    """preexec_fn of the guard: its own process group, and SIGTERM when the supervisor dies."""
+    os.setpgid(0, 0)
+    set_parent_death_signal(signal.SIGTERM)  # the guard then SIGKILLs the engine's whole group
+    if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
+        os._exit(1)
+
+
+async def spawn_guarded(cmd: list[str], env: dict[str, str], stop_grace_s: float) -> asyncio.subprocess.Process:
+    """Start `cmd` under backends.engines.guard; returns the guard process (stdout piped, stderr merged)."""
+    parent = os.getpid()
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "backends.engines.guard", str(parent), str(stop_grace_s), "--", *cmd,
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env=env, preexec_fn=lambda: _guard_preexec(parent))
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host if host not in ("0.0.0.0", "::") else "127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_from_args(args: argparse.Namespace) -> EngineLaunch:
+    if not args.model:
+        raise SystemExit("kvroute worker: --model is required for --engine vllm|turbomind")
+    gpus = [g.strip() for g in (args.gpus or "").split(",") if g.strip()]
+    port = args.engine_port or args.port or _free_port(args.host)
+    return EngineLaunch(
+        model=args.model, served_model_name=args.served_model_name or Path(args.model.rstrip("/")).name,
+        host=args.host, port=port, device=args.device or ("cuda" if gpus else "cpu"), gpus=gpus,
+        engine_args=list(args.engine_args or []),
+    )
+
+
+class Supervisor:
+    """Runs one engine and keeps the proxy told about it; `run()` returns the exit code."""
+
+    def __init__(self, args: argparse.Namespace, adapter: EngineAdapter, launch: EngineLaunch) -> None:
+        self.args = args
+        self.adapter = adapter
+        self.launch = launch
+        loopback = "127.0.0.1" if launch.host in ("0.0.0.0", "::", "") else launch.host
+        self.local_url = f"http://{loopback}:{launch.port}"
+        self.advertise_url = args.advertise_url or (
+            f"http://{socket.gethostname() if loopback != launch.host else launch.host}:{launch.port}")
+        log_dir = Path(os.environ.get("KVROUTE_LOG_DIR", tempfile.gettempdir()))
+        self.log_path = log_dir / f"kvroute-engine-{adapter.family}-{launch.port}.log"
+        self.proc: asyncio.subprocess.Process | None = None
+        self.reporter: ProxyReporter | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self.stop_requested = asyncio.Event()
+        self.last_load = Load(0.0, 0, 0)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_requested.set)
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5, connect=2))
+        started = time.monotonic()
+        try:
+            await self._start_engine()
+            exited = asyncio.create_task(self.proc.wait())  # type: ignore[union-attr]
+            await self._wait_ready(exited)
+            log.info("engine %s ready at %s after %.1fs (log: %s)", self.adapter.running_engine,
+                     self.local_url, time.monotonic() - started, self.log_path)
+            await self._register()
+            if self.reporter:
+                await self.reporter.registered.wait()
+                log.info("registered with %s as %s %.1fs after start", self.args.proxy_url,
+                         self.reporter.worker_id, time.monotonic() - started)
+            stop = asyncio.create_task(self.stop_requested.wait())
+            await asyncio.wait({exited, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if exited.done():
+                raise EngineFailed(f"engine exited with code {exited.result()}")
+            await self._drain()
+            return 0
+        except EngineFailed as exc:
+            log.error("%s; engine log: %s", exc, self.log_path)
+            if self.reporter and self.reporter.registered.is_set():
+                await self.reporter.set_state("failed")
+            return 1
+        finally:
+            await self._stop_engine()
+            if self.reporter:
+                # A failed worker stays listed (as failed) until the proxy ages it out; a drained one leaves.
+                await self.reporter.stop(deregister=not self.reporter.state == "failed")
+            await self.session.close()
+
+    async def _start_engine(self) -> None:
+        cmd = self.adapter.command(self.launch)
+        env = self.adapter.environment(self.launch, os.environ)
+        log.info("starting engine: %s", " ".join(cmd))
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.proc = await spawn_guarded(cmd, env, ENGINE_STOP_GRACE_S)
+        asyncio.create_task(self._relay_log(), name="engine-log")
+
+    async def _relay_log(self) -> None:
+        assert self.proc and self.proc.stdout
+        # Opening may touch a slow disk: off the loop. The writes are small buffered appends.
+        log_file = await asyncio.to_thread(open, self.log_path, "ab", 64 * 1024)
+        with log_file:
+            while line := await self.proc.stdout.readline():
+                log_file.write(line)
+                text = line.decode(errors="replace").rstrip()
+                self.adapter.observe_log_line(text)
+                print(f"[engine] {text}", flush=False)
+                log_file.flush()
+        sys.stdout.flush()
+
+    async def _wait_ready(self, exited: asyncio.Task[int]) -> None:
+        assert self.session
+        deadline = time.monotonic() + self.args.startup_timeout_s
+        while time.monotonic() < deadline:
+            if exited.done():
+                raise EngineFailed(f"engine exited with code {exited.result()} before it was ready")
+            if self.stop_requested.is_set():
+                raise EngineFailed("stopped before the engine was ready")
+            with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+                async with self.session.get(self.local_url + self.adapter.ready_path) as resp:
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(0.5)
+        raise EngineFailed(f"engine not ready after {self.args.startup_timeout_s:.0f}s")
+
+    async def read_load(self) -> Load:
+        """The engine's load now; an empty load once the engine is gone, so a 'failed' report still goes out."""
+        assert self.session
+        try:
+            self.last_load = await self.adapter.read_load(self.session, self.local_url)
+        except (TimeoutError, aiohttp.ClientError):
+            if self.proc is None or self.proc.returncode is None:
+                raise
+            self.last_load = Load(0.0, 0, 0, kv_capacity_tokens=self.last_load.kv_capacity_tokens)
+        return self.last_load
+
+    async def _register(self) -> None:
+        if not self.args.proxy_url:
+            log.info("no --proxy-url: running standalone")
+            return
+        first = await self.read_load()
+        registration = WorkerRegistration(
+            worker_id=self.args.worker_id, url=self.advertise_url, models=[self.launch.served_model_name],
+            engine=self.adapter.running_engine,  # type: ignore[arg-type]
+            kv_capacity_tokens=first.kv_capacity_tokens, gpus=self.launch.gpus,
+            labels={"device": self.launch.device, "engine_family": self.adapter.family},
+        )
+        self.reporter = ProxyReporter(self.args.proxy_url, registration, self.read_load, token=self.args.proxy_token)
+        await self.reporter.start()
+
+    async def _drain(self) -> None:
+        """Tell the proxy we drain, then wait (bounded) until the engine has nothing in flight."""
+        log.info("draining (grace %.0fs)", self.args.drain_grace_s)
+        if self.reporter and self.reporter.registered.is_set():
+            await self.reporter.set_state("draining")
+        deadline = time.monotonic() + self.args.drain_grace_s
+        while time.monotonic() < deadline and self.proc and self.proc.returncode is None:
+            try:
+                load = await self.read_load()
+            except (TimeoutError, aiohttp.ClientError):
+                break
+            if load.num_running + load.num_waiting == 0:
+                return
+            await asyncio.sleep(0.25)
+        log.warning("drain grace over; stopping the engine with work in flight")
+
+    async def _stop_engine(self) -> None:
+        """SIGTERM the guard: it stops the engine group (SIGKILL after the grace) and exits."""
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), ENGINE_STOP_GRACE_S + 5)
+        except TimeoutError:
+            log.warning("engine guard did not exit; killing it")
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stdout,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    supervisor = Supervisor(args, make_adapter(args.engine), launch_from_args(args))
+    return asyncio.run(supervisor.run())
