@@ -1,0 +1,71 @@
+"""The load view: projected KV usage between reports, queue depth, and /metrics parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.loadview import DISPATCH_VISIBLE_AFTER_S, EngineReading, WorkerLoad, parse_engine_metrics
+
+
+def test_dispatches_since_the_last_report_raise_projected_usage():
+    load = WorkerLoad(capacity_tokens=10_000)
+    load.record_reading(EngineReading(0.2, 1, 0), now=100.0, source="report")
+    load.start_request(1000, now=100.01)
+    load.start_request(500, now=100.02)
+    assert load.projected_kv_usage(100.03) == pytest.approx(0.35)
+    assert load.queue_depth(100.03) == 2
+
+
+def test_a_later_report_absorbs_what_it_already_includes():
+    load = WorkerLoad(capacity_tokens=10_000)
+    load.record_reading(EngineReading(0.2, 0, 0), now=100.0, source="report")
+    load.start_request(1000, now=100.0)
+    load.start_request(1000, now=100.3)
+    # 0.3 s after the first dispatch the engine has it; the second is too recent to be included
+    load.record_reading(EngineReading(0.3, 1, 0), now=100.3 + DISPATCH_VISIBLE_AFTER_S / 2, source="report")
+    assert load.projected_kv_usage(100.36) == pytest.approx(0.4)
+    assert load.pending_requests() == 1
+
+
+def test_without_any_reading_in_flight_counts_stand_in():
+    load = WorkerLoad(capacity_tokens=1000)
+    load.start_request(100, now=1.0)
+    load.start_request(300, now=1.0)
+    assert load.queue_depth(1.0) == 2
+    assert load.projected_kv_usage(1.0) == pytest.approx(0.4)
+    load.finish_request(100)
+    load.finish_request(300)
+    assert load.in_flight == 0 and load.projected_kv_usage(2.0) == 0.0
+
+
+VLLM_METRICS = """\
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.42
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 5.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="2048"} 1.0
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 10.0
+"""
+
+LMDEPLOY_METRICS = """\
+lmdeploy:gpu_cache_usage_perc 0.7
+lmdeploy:num_requests_running 2
+lmdeploy:num_requests_waiting 1
+lmdeploy:prefix_cache_hit_rate 0.25
+"""
+
+
+def test_vllm_metrics_give_usage_counts_and_capacity():
+    reading = parse_engine_metrics(VLLM_METRICS)
+    assert reading == EngineReading(0.42, 3, 5, 16 * 2048, 0.0)
+
+
+def test_lmdeploy_metrics_are_read_too():
+    reading = parse_engine_metrics(LMDEPLOY_METRICS)
+    assert reading is not None
+    assert (reading.kv_usage, reading.num_running, reading.num_waiting, reading.prefix_cache_hit_rate) == (0.7, 2, 1, 0.25)
+
+
+def test_metrics_without_kv_usage_give_nothing():
+    assert parse_engine_metrics("process_cpu_seconds_total 3.0\n") is None

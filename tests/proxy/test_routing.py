@@ -1,0 +1,150 @@
+"""Routing policies on hand-built load views: what each one picks, and why."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import orjson
+import pytest
+
+from proxy.loadview import EngineReading
+from proxy.registry import Worker
+from proxy.request import CHAT, parse_request
+from proxy.routing.base import PolicyDeps, make_policy, policy_names
+from proxy.routing.prefix_index import PrefixIndex
+
+NOW = 500.0
+
+
+def worker(wid: str, usage: float | None = None, waiting: int = 0, capacity: int = 100_000) -> Worker:
+    w = Worker(wid, f"http://{wid}", ["m"], capacity_tokens=capacity)
+    if usage is not None:
+        w.load.record_reading(EngineReading(usage, 0, waiting, capacity), NOW, "report")
+    return w
+
+
+def request(text: str = "hello", system: str | None = None, session: str | None = None, max_tokens: int = 100):
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    body = orjson.dumps({"model": "m", "messages": messages, "max_tokens": max_tokens})
+    return parse_request(body, CHAT, session_header=session)
+
+
+def deps(seed: int = 1) -> PolicyDeps:
+    return PolicyDeps(prefix_index=PrefixIndex(), rng=random.Random(seed))
+
+
+def dispatch(policy, workers, req, now=NOW):
+    decision = policy.select(workers, req, now)
+    decision.worker.load.start_request(decision.kv_tokens, now)
+    policy.on_dispatch(decision, req, now)
+    return decision
+
+
+def test_every_named_policy_exists_and_unknown_names_are_refused():
+    for name in policy_names():
+        assert make_policy(name, deps()).name == name
+    with pytest.raises(ValueError, match="unknown routing policy 'nope'"):
+        make_policy("nope", deps())
+
+
+def test_kv_aware_prefers_the_worker_with_kv_room():
+    policy = make_policy("kv_aware", deps())
+    full, roomy = worker("full", 0.8), worker("roomy", 0.3)
+    assert policy.select([full, roomy], request(), NOW).worker is roomy
+
+
+def test_kv_aware_spreads_a_burst_by_projected_usage():
+    policy = make_policy("kv_aware", deps())
+    low, high = worker("low", 0.10, capacity=20_000), worker("high", 0.30, capacity=20_000)
+    picks = Counter(dispatch(policy, [low, high], request(f"question {i}", max_tokens=200)).worker.worker_id
+                    for i in range(100))
+    # 'low' first absorbs its 0.2 head start (each request adds ~0.01 KV + 0.02 queue), then they alternate
+    assert picks["low"] > picks["high"] >= 35
+    costs = [w.load.projected_kv_usage(NOW) + 0.02 * w.load.queue_depth(NOW) for w in (low, high)]
+    assert abs(costs[0] - costs[1]) < 0.05
+
+
+def test_kv_aware_keeps_a_long_shared_prompt_on_one_worker_while_balanced():
+    policy = make_policy("kv_aware", deps())
+    workers = [worker("a", 0.2), worker("b", 0.2), worker("c", 0.2)]
+    system = "You are a meticulous assistant that answers in French. " * 60
+    picks = {dispatch(policy, workers, request(f"q{i}", system=system)).worker.worker_id for i in range(10)}
+    assert len(picks) == 1
+
+
+def test_kv_aware_lets_go_of_the_prefix_when_its_worker_is_much_fuller():
+    policy = make_policy("kv_aware", deps())
+    a, b = worker("a", 0.2), worker("b", 0.2)
+    system = "Shared instructions. " * 200
+    first = dispatch(policy, [a, b], request("q0", system=system)).worker
+    other = b if first is a else a
+    first.load.record_reading(EngineReading(0.75, 10, 0, 100_000), NOW + 1, "report")
+    other.load.record_reading(EngineReading(0.2, 0, 0, 100_000), NOW + 1, "report")
+    assert policy.select([a, b], request("q1", system=system), NOW + 1).worker is other
+
+
+def test_kv_aware_counts_queued_requests():
+    policy = make_policy("kv_aware", deps())
+    queued, idle = worker("queued", 0.3, waiting=20), worker("idle", 0.5)
+    assert policy.select([queued, idle], request(), NOW).worker is idle
+
+
+def test_prefix_policy_follows_the_prefix_and_yields_to_imbalance():
+    policy = make_policy("prefix", deps())
+    a, b = worker("a", 0.1), worker("b", 0.1)
+    system = "Long shared context. " * 100
+    first = dispatch(policy, [a, b], request("q", system=system)).worker
+    assert policy.select([a, b], request("other q", system=system), NOW).worker is first
+    for _ in range(40):
+        first.load.start_request(10, NOW)
+    assert policy.select([a, b], request("other q", system=system), NOW).worker is not first
+
+
+def test_session_policy_is_sticky_and_moves_only_the_removed_workers_sessions():
+    policy = make_policy("session", deps())
+    workers = [worker(f"w{i}") for i in range(4)]
+    before = {s: policy.select(workers, request(session=s), NOW).worker for s in map(str, range(200))}
+    again = {s: policy.select(workers, request(session=s), NOW).worker for s in before}
+    assert before == again
+    assert len({w.worker_id for w in before.values()}) == 4
+    survivors = workers[1:]
+    after = {s: policy.select(survivors, request(session=s), NOW).worker for s in before}
+    moved = [s for s in before if before[s] is not after[s]]
+    assert all(before[s] is workers[0] for s in moved)
+
+
+def test_round_robin_least_requests_and_lmdeploy_latency():
+    workers = [worker("a"), worker("b"), worker("c")]
+    rr = make_policy("round_robin", deps())
+    assert [rr.select(workers, request(), NOW).worker.worker_id for _ in range(6)] == list("abcabc")
+    workers[0].load.start_request(1, NOW)
+    workers[1].load.start_request(1, NOW)
+    assert make_policy("least_requests", deps()).select(workers, request(), NOW).worker.worker_id == "c"
+    workers[2].labels["speed"] = "0.1"  # LMDeploy: unfinished / speed -> 0 / 0.1 still wins
+    assert make_policy("lmdeploy_min_expected_latency", deps()).select(workers, request(), NOW).worker.worker_id == "c"
+
+
+def test_power_of_two_never_picks_the_busier_of_two():
+    busy, idle = worker("busy"), worker("idle")
+    for _ in range(5):
+        busy.load.start_request(1, NOW)
+    policy = make_policy("power_of_two", deps())
+    assert {policy.select([busy, idle], request(), NOW).worker.worker_id for _ in range(20)} == {"idle"}
+
+
+def test_prefix_index_is_bounded_and_forgets_the_least_recently_used():
+    index = PrefixIndex(max_blocks=10)
+    index.insert([1, 2, 3, 4, 5, 6], "a", NOW)
+    index.insert([7, 8, 9, 10, 11, 12], "b", NOW)
+    assert len(index) == 10
+    assert index.match([7, 8, 9], {"a", "b"}, NOW) == {"b": 3}
+    # the tails of the older prompt went first; its head is still there
+    assert index.match([1, 2, 3, 4, 5, 6], {"a"}, NOW) == {"a": 4}
+
+
+def test_prefix_index_ignores_entries_older_than_its_ttl():
+    index = PrefixIndex(ttl_s=10)
+    index.insert([1, 2], "a", NOW)
+    assert index.match([1, 2], {"a"}, NOW + 5) == {"a": 2}
+    assert index.match([1, 2], {"a"}, NOW + 11) == {}
