@@ -1,0 +1,147 @@
+"""deploy/: Kubernetes manifests match the Kubernetes schema, their commands are real kvroute command
+lines, systemd units start real commands, and the example fleets load and fit their hardware."""
+
+from __future__ import annotations
+
+import configparser
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from proxy.cli import build_parser
+from proxy.config import load_config, parse_config
+from proxy.fleet.gpus import plan_assignment
+from proxy.fleet.reconcile import local_gpu_demands
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+MANIFESTS = sorted((DEPLOY / "k8s").glob("*.yaml"))
+ENV = {"KVROUTE_ADMIN_TOKEN": "a", "KVROUTE_WORKER_TOKEN": "w"}
+
+kubernetes = pytest.importorskip("kubernetes", reason="the dev extra installs the kubernetes client")
+
+
+def docs() -> list[tuple[str, dict]]:
+    return [(f"{p.name}#{i}", d) for p in MANIFESTS for i, d in enumerate(yaml.safe_load_all(p.read_text())) if d]
+
+
+def by_kind(kind: str) -> list[dict]:
+    return [d for _, d in docs() if d["kind"] == kind]
+
+
+@pytest.mark.parametrize("name,doc", docs(), ids=[n for n, _ in docs()])
+def test_manifest_matches_the_kubernetes_schema(name, doc):
+    api = kubernetes.client.ApiClient()
+    model = api._ApiClient__deserialize(doc, "V1" + doc["kind"])  # required fields and types are checked here
+    # A key the schema does not know is dropped by the models: an exact round trip proves there is none.
+    assert api.sanitize_for_serialization(model) == doc
+
+
+def test_the_manifests_include_what_a_fleet_needs():
+    kinds = sorted(d["kind"] for _, d in docs())
+    assert kinds.count("StatefulSet") >= 1 and "Deployment" in kinds and "Service" in kinds
+    assert any("redis" in d["metadata"]["name"] for d in by_kind("Deployment"))
+
+
+def test_every_service_selects_pods_that_exist():
+    pod_labels = [d["spec"]["template"]["metadata"]["labels"] for d in by_kind("Deployment") + by_kind("StatefulSet")]
+    for svc in by_kind("Service"):
+        sel = svc["spec"]["selector"]
+        assert any(sel.items() <= labels.items() for labels in pod_labels), f"{svc['metadata']['name']} selects nothing"
+
+
+def _container_argv(doc: dict) -> list[str]:
+    c = doc["spec"]["template"]["spec"]["containers"][0]
+    return [*c["command"], *c.get("args", [])]
+
+
+def _parse_kvroute(argv: list[str]):
+    assert Path(argv[0]).name == "kvroute", argv
+    return build_parser().parse_args(argv[1:])
+
+
+@pytest.mark.parametrize("sts", by_kind("StatefulSet"), ids=lambda d: d["metadata"]["name"])
+def test_worker_statefulset_self_registers_on_its_gpus(sts):
+    pod = sts["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    gpus = int(c["resources"]["limits"]["nvidia.com/gpu"])
+    assert gpus >= 1 and c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["KVROUTE_WORKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    proxy_host_port = env["KVROUTE_PROXY_URL"]["value"].removeprefix("http://")
+    services = {(s["metadata"]["name"], p["port"]) for s in by_kind("Service") for p in s["spec"]["ports"]}
+    host, port = proxy_host_port.split(":")
+    assert (host, int(port)) in services, "KVROUTE_PROXY_URL names no Service"
+    args = _parse_kvroute(_container_argv(sts))
+    assert args.command == "worker" and args.advertise_url == f"http://$(POD_IP):{args.port}"
+    engine_args = args.engine_args[1:] if args.engine_args[:1] == ["--"] else args.engine_args
+    assert f"--tensor-parallel-size={gpus}" in engine_args
+    assert pod["terminationGracePeriodSeconds"] > args.drain_grace_s, "the drain would be cut short"
+
+
+def test_proxy_configmap_is_a_valid_fleet_config():
+    (cm,) = by_kind("ConfigMap")
+    cfg = parse_config(cm["data"]["config.yaml"], env=ENV)
+    assert cfg.proxy.host == "0.0.0.0" and cfg.state.url.startswith("redis://")
+    (redis_svc,) = [s for s in by_kind("Service") if "redis" in s["metadata"]["name"]]
+    assert redis_svc["metadata"]["name"] in cfg.state.url
+
+
+def test_proxy_deployment_runs_a_real_command():
+    (dep,) = [d for d in by_kind("Deployment") if d["metadata"]["name"] == "kvroute-proxy"]
+    if "proxy" not in build_parser()._subparsers._group_actions[0].choices:  # type: ignore[union-attr]
+        pytest.skip("`kvroute proxy` is not built yet")
+    assert _parse_kvroute(_container_argv(dep)).command == "proxy"
+
+
+def _unit(name: str) -> configparser.ConfigParser:
+    cp = configparser.ConfigParser(strict=False, interpolation=None)
+    cp.optionxform = str  # systemd keys are case-sensitive
+    cp.read_string((DEPLOY / "systemd" / name).read_text())
+    return cp
+
+
+def test_systemd_worker_unit_starts_a_real_worker_command():
+    unit = _unit("kvroute-worker@.service")
+    svc = unit["Service"]
+    assert svc["KillMode"] == "mixed" and svc["KillSignal"] == "SIGTERM"  # SIGTERM to the worker only: it drains
+    sample = {"KVROUTE_ENGINE": "vllm", "KVROUTE_PORT": "8101", "KVROUTE_ADVERTISE_URL": "http://h:8101",
+              "KVROUTE_SERVED_MODEL_NAME": "qwen3-vl-8b", "KVROUTE_MODEL": "/models/q", "KVROUTE_GPUS": "0,1",
+              "KVROUTE_ENGINE_ARGS": "--max-model-len 32768"}
+    # systemd's rules: ${VAR} is one word, $VAR splits on whitespace.
+    line = re.sub(r"\$\{(\w+)\}", lambda m: shlex.quote(sample[m.group(1)]), svc["ExecStart"])
+    line = re.sub(r"\$(\w+)", lambda m: sample[m.group(1)], line)
+    args = _parse_kvroute(shlex.split(line))
+    assert args.command == "worker" and args.gpus == "0,1" and args.port == 8101
+    assert args.engine_args == ["--", "--max-model-len", "32768"]
+    assert float(svc["TimeoutStopSec"]) > args.drain_grace_s
+
+
+def test_systemd_proxy_unit_is_well_formed():
+    unit = _unit("kvroute-proxy.service")
+    assert unit["Service"]["ExecStart"].split()[1:3] == ["proxy", "--config"]
+    assert unit["Install"]["WantedBy"] == "multi-user.target"
+
+
+def test_8xh100_example_loads_and_fits_eight_gpus():
+    cfg = load_config(DEPLOY / "examples" / "8xh100.yaml", env=ENV)
+    plan = plan_assignment(local_gpu_demands(cfg), [str(i) for i in range(8)])
+    used = [g for groups in plan.values() for group in groups for g in group]
+    assert sorted(used, key=int) == [str(i) for i in range(8)]  # every GPU used once
+    assert plan["qwen3-vl-32b"] == [["0", "1"], ["2", "3"]]
+
+
+def test_two_nodes_ray_example_loads():
+    cfg = load_config(DEPLOY / "examples" / "two-nodes-ray.yaml", env={**ENV, "RAY_ADDRESS": "10.0.0.1:6379"})
+    assert cfg.state.ray_address == "10.0.0.1:6379"
+    assert all(m.placement == "ray" for m in cfg.models)
+    assert local_gpu_demands(cfg) == []  # Ray, not this machine, provides the GPUs
+
+
+def test_readme_example_config_loads():
+    text = (DEPLOY / "README.md").read_text()
+    block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    cfg = parse_config(block, env=ENV)
+    assert cfg.models
