@@ -136,14 +136,14 @@ class Dispatcher:
                             response_headers: dict[str, str]) -> ForwardResult | RetryableFailure:
         now = self.registry.clock()
         load = worker.load
-        load.start_request(decision.kv_tokens, now)
+        dispatch = load.start_request(decision.kv_tokens, now)
         policy.on_dispatch(decision, routed, now)
         try:
             return await self.upstream.forward(worker, path, body, headers, request, response_headers,
                                                routed.stream)
         finally:
             # Every path (success, worker failure, client disconnect/cancel) lands here exactly once.
-            load.finish_request(decision.kv_tokens)
+            load.finish_request(dispatch)
             self.registry.notify_changed()
 
     def _record(self, served: str, worker: Worker, outcome: ForwardResult, started: float) -> None:

@@ -6,9 +6,10 @@ it does no I/O (proxy/monitor.py scrapes) and knows nothing about worker states.
     projected_kv_usage = reading.kv_usage + pending_tokens / capacity_tokens
     queue_depth        = reading.num_waiting + pending_requests
 
-`pending` are requests dispatched to the worker too recently to be in its newest reading
-(est. prompt tokens + expected generated tokens each). A reading taken at least
-DISPATCH_VISIBLE_AFTER_S after a dispatch is assumed to include it. A worker with no reading
+`pending` are requests dispatched to the worker too recently to be in its newest reading and
+still in flight (est. prompt tokens + expected generated tokens each). A reading taken at
+least DISPATCH_VISIBLE_AFTER_S after a dispatch is assumed to include it; a request that has
+finished no longer holds KV or a queue slot, so it stops counting at once. A worker with no reading
 at all (not reporting, /metrics unreadable) falls back to the proxy's own in-flight counts.
 """
 
@@ -27,6 +28,17 @@ DISPATCH_FORGET_AFTER_S = 5.0
 DEFAULT_CAPACITY_TOKENS = 32768
 
 
+class Dispatch:
+    """One request sent to a worker: its KV estimate, and whether it still counts as pending."""
+
+    __slots__ = ("at", "kv_tokens", "pending")
+
+    def __init__(self, at: float, kv_tokens: int) -> None:
+        self.at = at
+        self.kv_tokens = kv_tokens
+        self.pending = True
+
+
 @dataclass(slots=True)
 class EngineReading:
     """One measurement of a worker's own load (a report or a /metrics scrape)."""
@@ -42,15 +54,16 @@ class WorkerLoad:
     """Load bookkeeping for one worker; cheap enough to consult on every routing decision."""
 
     __slots__ = ("capacity_tokens", "reading", "reading_at", "reading_source", "_pending", "_pending_tokens",
-                 "in_flight", "in_flight_tokens", "dispatched_total")
+                 "_pending_count", "in_flight", "in_flight_tokens", "dispatched_total")
 
     def __init__(self, capacity_tokens: int | None = None) -> None:
         self.capacity_tokens = capacity_tokens or DEFAULT_CAPACITY_TOKENS
         self.reading: EngineReading | None = None
         self.reading_at: float | None = None
         self.reading_source: str | None = None
-        self._pending: deque[tuple[float, int]] = deque()
+        self._pending: deque[Dispatch] = deque()
         self._pending_tokens = 0
+        self._pending_count = 0
         self.in_flight = 0
         self.in_flight_tokens = 0
         self.dispatched_total = 0
@@ -64,17 +77,21 @@ class WorkerLoad:
             self.capacity_tokens = reading.capacity_tokens
         self._forget_before(now - DISPATCH_VISIBLE_AFTER_S)
 
-    def start_request(self, kv_tokens: int, now: float) -> None:
-        """A request was sent to this worker (exactly once per attempt; pair with finish_request)."""
+    def start_request(self, kv_tokens: int, now: float) -> Dispatch:
+        """A request was sent to this worker; hand the result to finish_request exactly once."""
         self.in_flight += 1
         self.in_flight_tokens += kv_tokens
         self.dispatched_total += 1
-        self._pending.append((now, kv_tokens))
+        dispatch = Dispatch(now, kv_tokens)
+        self._pending.append(dispatch)
         self._pending_tokens += kv_tokens
+        self._pending_count += 1
+        return dispatch
 
-    def finish_request(self, kv_tokens: int) -> None:
+    def finish_request(self, dispatch: Dispatch) -> None:
         self.in_flight -= 1
-        self.in_flight_tokens -= kv_tokens
+        self.in_flight_tokens -= dispatch.kv_tokens
+        self._uncount(dispatch)
 
     # --- views --------------------------------------------------------------------------
     def has_reading(self) -> bool:
@@ -92,15 +109,21 @@ class WorkerLoad:
         if self.reading is None:
             return self.in_flight
         self._forget_before(now - DISPATCH_FORGET_AFTER_S)
-        return self.reading.num_waiting + len(self._pending)
+        return self.reading.num_waiting + self._pending_count
 
     def pending_requests(self) -> int:
-        return len(self._pending)
+        return self._pending_count
+
+    def _uncount(self, dispatch: Dispatch) -> None:
+        if dispatch.pending:
+            dispatch.pending = False
+            self._pending_tokens -= dispatch.kv_tokens
+            self._pending_count -= 1
 
     def _forget_before(self, cutoff: float) -> None:
         pending = self._pending
-        while pending and pending[0][0] <= cutoff:
-            self._pending_tokens -= pending.popleft()[1]
+        while pending and pending[0].at <= cutoff:
+            self._uncount(pending.popleft())
 
 
 # --- /metrics scraping (vLLM and LMDeploy names; see shared/notes/engines.md) ---------------

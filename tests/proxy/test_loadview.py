@@ -29,13 +29,25 @@ def test_a_later_report_absorbs_what_it_already_includes():
 
 def test_without_any_reading_in_flight_counts_stand_in():
     load = WorkerLoad(capacity_tokens=1000)
-    load.start_request(100, now=1.0)
-    load.start_request(300, now=1.0)
+    first = load.start_request(100, now=1.0)
+    second = load.start_request(300, now=1.0)
     assert load.queue_depth(1.0) == 2
     assert load.projected_kv_usage(1.0) == pytest.approx(0.4)
-    load.finish_request(100)
-    load.finish_request(300)
+    load.finish_request(first)
+    load.finish_request(second)
     assert load.in_flight == 0 and load.projected_kv_usage(2.0) == 0.0
+
+
+def test_a_request_that_finished_before_the_next_report_stops_counting():
+    load = WorkerLoad(capacity_tokens=10_000)
+    load.record_reading(EngineReading(0.2, 0, 0), now=100.0, source="report")
+    done = load.start_request(1000, now=100.01)
+    load.start_request(500, now=100.02)
+    load.finish_request(done)
+    assert load.projected_kv_usage(100.03) == pytest.approx(0.25)
+    assert load.queue_depth(100.03) == 1
+    load.record_reading(EngineReading(0.2, 0, 0), now=100.5, source="report")
+    assert load.pending_requests() == 0 and load.in_flight == 1
 
 
 VLLM_METRICS = """\
