@@ -60,7 +60,7 @@ class RateMeter:
 
 def run(args: argparse.Namespace) -> int:
     headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)
     meter = RateMeter()
     with httpx.Client(base_url=args.proxy.rstrip("/"), headers=headers, timeout=5.0) as client:
         try:

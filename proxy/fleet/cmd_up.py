@@ -78,7 +78,8 @@ async def _up(args: argparse.Namespace, path: Path, config: FleetConfig) -> int:
     from proxy.fleet.reconcile import FleetManager
     from proxy.fleet.supervisor import RestartPolicy
 
-    console = Console(stderr=False)
+    # Piped output (logs, tests) gets full-width tables instead of rich's 80-column default.
+    console = Console(width=None if sys.stdout.isatty() else 160)
     gpus, source = await detect_gpus(os.environ)
     pool = GpuPool(gpus, source)
     policy = RestartPolicy(backoff_s=args.restart_backoff_s, crash_loop_count=args.crash_loop_count,
