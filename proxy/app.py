@@ -48,8 +48,8 @@ def build_app(config: FleetConfig, *, policy: str | None = None) -> web.Applicat
     monitor = HealthMonitor(registry, upstream)
     dispatcher = Dispatcher(config, registry, upstream, policies, metrics)
 
-    # client_max_size + 1 so a body of exactly max_body_bytes is accepted; dispatch answers 413.
-    app = web.Application(client_max_size=proxy_cfg.max_body_bytes + 1,
+    # aiohttp refuses bodies over client_max_size while reading; dispatch turns that into a 413.
+    app = web.Application(client_max_size=proxy_cfg.max_body_bytes,
                           middlewares=[control.auth_middleware(proxy_cfg)])
     app[REGISTRY_KEY] = registry
     app[CONFIG_KEY] = config

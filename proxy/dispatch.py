@@ -116,8 +116,12 @@ class Dispatcher:
             tried.add(worker.worker_id)
             self.metrics.decisions.labels(policy.name, worker.worker_id, decision.reason).inc()
             response_headers = {"x-kvroute-worker": worker.worker_id, "x-request-id": request_id}
-            outcome = await self._forward_once(worker, decision, policy, routed, path, body, headers,
-                                               request, response_headers)
+            try:
+                outcome = await self._forward_once(worker, decision, policy, routed, path, body, headers,
+                                                   request, response_headers)
+            except asyncio.CancelledError:  # the client went away (handler cancellation)
+                self.metrics.requests.labels(served, worker.worker_id, "client_closed").inc()
+                raise
             if isinstance(outcome, RetryableFailure):
                 last_failure = outcome
                 if self.registry.record_failure(worker, outcome.detail):

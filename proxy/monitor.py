@@ -24,6 +24,9 @@ CHECK_INTERVAL_S = 0.25
 SCRAPE_INTERVAL_S = 0.5      # non-reporting workers: /metrics at 2 Hz
 PROBE_INTERVAL_S = 1.0       # stale or unhealthy workers: /health once a second
 PROBE_TIMEOUT_S = 2.0
+# A self-registered (reporting) worker silent this long is forgotten; if it comes back, its
+# reporter gets 404 on its next report and registers again. Static and /nodes workers stay.
+FORGET_SILENT_AFTER_S = 300.0
 
 
 async def probe_models(session: aiohttp.ClientSession, url: str) -> tuple[list[str], int | None]:
@@ -99,6 +102,10 @@ class HealthMonitor:
         while True:
             now = self.registry.clock()
             for worker in self.registry.workers():
+                if self._long_silent(worker, now):
+                    log.warning("forgetting %s: no report for %.0fs", worker.worker_id, FORGET_SILENT_AFTER_S)
+                    self.registry.remove(worker.worker_id)
+                    continue
                 interval = self._interval(worker, now)
                 if interval is None or worker.worker_id in self._busy:
                     continue
@@ -108,6 +115,13 @@ class HealthMonitor:
                 self._busy.add(worker.worker_id)
                 self.spawn(self._check(worker))
             await asyncio.sleep(CHECK_INTERVAL_S)
+
+    @staticmethod
+    def _long_silent(worker: Worker, now: float) -> bool:
+        if not worker.reports or worker.load.in_flight:
+            return False
+        last = worker.load.reading_at if worker.load.reading_at is not None else worker.registered_mono
+        return now - last > FORGET_SILENT_AFTER_S
 
     def _interval(self, worker: Worker, now: float) -> float | None:
         if not worker.reports:

@@ -1,0 +1,80 @@
+"""Timeouts, static workers and the ops endpoints, against real processes."""
+
+from __future__ import annotations
+
+import httpx
+import orjson
+import pytest
+
+from tests.proxy.test_e2e_forwarding import sse_events
+
+pytestmark = pytest.mark.timeout(120)
+
+TIMEOUTS = """
+proxy:
+  timeouts:
+    connect_s: 1.0
+    first_byte_s: 2.0
+    idle_s: 1.0
+"""
+
+
+def test_a_stream_that_stalls_ends_with_an_error_after_the_idle_timeout(fleet):
+    fleet.start_proxy(config=TIMEOUTS)
+    fleet.start_sims(1, extra=("--stall-after", "0"))
+    with httpx.stream("POST", fleet.url + "/v1/chat/completions", timeout=30, json={
+            "model": "m1", "stream": True, "max_tokens": 50,
+            "messages": [{"role": "user", "content": "hi"}]}) as resp:
+        raw = resp.read()
+    # like vLLM, the sim sends its headers (and the role chunk) before any token
+    assert resp.status_code == 200
+    events = sse_events(raw)
+    assert events[-1] == b"[DONE]"
+    assert orjson.loads(events[-2])["error"]["message"].endswith("(idle_timeout).")
+    fleet.wait_workers(lambda ws: ws[0]["in_flight"] == 0, what="in-flight back to 0")
+
+
+def test_a_worker_that_never_answers_is_left_for_another_after_the_first_byte_timeout(fleet):
+    fleet.start_proxy(config=TIMEOUTS)
+    fleet.start_sims(1, extra=("--stall-after", "0"), prefix="stalled")
+    (good,) = fleet.start_sims(1, prefix="good")
+    responses = [fleet.chat(f"q{i}") for i in range(4)]
+    assert [r.status_code for r in responses] == [200] * 4
+    assert {r.headers["x-kvroute-worker"] for r in responses} == {good.worker_id}
+
+
+def test_static_workers_from_the_config_are_scraped_and_served(fleet):
+    sims = fleet.start_sims(2, register=False, prefix="static")
+    config = "proxy:\n  static_workers:\n" + "".join(
+        f"    - url: {s.url}\n" + ("      models: [m1]\n" if i == 0 else "") for i, s in enumerate(sims))
+    fleet.start_proxy(config=config)
+    workers = fleet.wait_workers(lambda ws: len(ws) == 2 and all(w["reading_source"] == "metrics" for w in ws),
+                                 what="static workers added and scraped")
+    assert {w["source"] for w in workers} == {"static"}
+    assert {w["state"] for w in workers} == {"ready"}
+    assert fleet.chat().status_code == 200
+    sims[0].proc.stop()
+    fleet.wait_workers(lambda ws: sorted(w["state"] for w in ws) == ["ready", "unhealthy"],
+                       what="the stopped static worker marked unhealthy")
+    assert [fleet.chat(f"q{i}").status_code for i in range(3)] == [200] * 3
+
+
+def test_health_ready_and_metrics(fleet):
+    fleet.start_proxy()
+    assert fleet.http.get(fleet.url + "/health").status_code == 200
+    assert fleet.http.get(fleet.url + "/ready").status_code == 503  # no worker yet
+    (sim,) = fleet.start_sims(1)
+    assert fleet.http.get(fleet.url + "/ready").json()["ready_workers"] == 1
+    assert fleet.chat().status_code == 200
+    assert fleet.chat(model="nope").status_code == 404
+    text = fleet.http.get(fleet.url + "/metrics").text
+    for needle in (f'kvroute:requests_total{{model="m1",status="200",worker="{sim.worker_id}"}} 1.0',
+                   'kvroute:request_latency_seconds_bucket{le="0.005",model="m1"}',
+                   'kvroute:time_to_first_byte_seconds_count{model="m1"} 1.0',
+                   f'kvroute:routing_decisions_total{{policy="kv_aware",reason="lowest_cost",worker="{sim.worker_id}"}} 1.0',
+                   'kvroute:rejections_total{model="nope",reason="model_not_found"} 1.0',
+                   f'kvroute:worker_in_flight{{worker="{sim.worker_id}"}} 0.0',
+                   f'kvroute:worker_kv_usage{{worker="{sim.worker_id}"}}',
+                   f'kvroute:worker_queue{{worker="{sim.worker_id}"}}',
+                   f'kvroute:worker_state{{state="ready",worker="{sim.worker_id}"}} 1.0'):
+        assert needle in text, needle
