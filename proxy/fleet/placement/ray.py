@@ -157,8 +157,10 @@ class RayPlacement:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(ray.kill, actor)
             raise
-        log.info("%s: actor on node %s holds %s", launch.worker_id, info["node"],
-                 info["gpus"] or self.actor_options(launch).get("resources") or "no GPUs")
+        held = self.actor_options(launch).get("resources", {})
+        if not info["gpus"] and held:  # a custom resource has no device ids: show what is held
+            info["gpus"] = [f"{n:g} {name}" for name, n in held.items()]
+        log.info("%s: actor on node %s holds %s", launch.worker_id, info["node"], info["gpus"] or "no GPUs")
         return RayWorker(actor, info)
 
     def release(self, worker_id: str) -> None:
