@@ -30,7 +30,7 @@ from pathlib import Path
 import aiohttp
 
 from backends.engines.base import EngineAdapter, EngineLaunch
-from backends.engines.guard import set_parent_death_signal
+from backends.engines.guard import ENGINE_PID_LINE, set_parent_death_signal
 from backends.reporter import Load, ProxyReporter
 from proxy.protocol import WorkerRegistration
 
@@ -101,6 +101,7 @@ class Supervisor:
         log_dir = Path(os.environ.get("KVROUTE_LOG_DIR", tempfile.gettempdir()))
         self.log_path = log_dir / f"kvroute-engine-{adapter.family}-{launch.port}.log"
         self.proc: asyncio.subprocess.Process | None = None
+        self.engine_pgid: int | None = None  # announced by the guard
         self.reporter: ProxyReporter | None = None
         self.session: aiohttp.ClientSession | None = None
         self.stop_requested = asyncio.Event()
@@ -114,7 +115,7 @@ class Supervisor:
         started = time.monotonic()
         try:
             await self._start_engine()
-            exited = asyncio.create_task(self.proc.wait())  # type: ignore[union-attr]
+            exited = asyncio.create_task(self._guard_exit())
             await self._wait_ready(exited)
             log.info("engine %s ready at %s after %.1fs (log: %s)", self.adapter.running_engine,
                      self.local_url, time.monotonic() - started, self.log_path)
@@ -133,6 +134,7 @@ class Supervisor:
             log.error("%s; engine log: %s", exc, self.log_path)
             if self.reporter and self.reporter.registered.is_set():
                 await self.reporter.set_state("failed")
+                log.error("reported state 'failed' to %s", self.args.proxy_url)
             return 1
         finally:
             await self._stop_engine()
@@ -149,6 +151,14 @@ class Supervisor:
         self.proc = await spawn_guarded(cmd, env, ENGINE_STOP_GRACE_S)
         asyncio.create_task(self._relay_log(), name="engine-log")
 
+    async def _guard_exit(self) -> int:
+        """The guard's exit code. Not `proc.wait()`: that also waits for the stdout pipe to close,
+        which an orphaned engine helper could hold open forever."""
+        assert self.proc
+        while self.proc.returncode is None:  # noqa: ASYNC110 -- no event fires before the pipe closes
+            await asyncio.sleep(0.2)
+        return self.proc.returncode
+
     async def _relay_log(self) -> None:
         assert self.proc and self.proc.stdout
         # Opening may touch a slow disk: off the loop. The writes are small buffered appends.
@@ -157,6 +167,8 @@ class Supervisor:
             while line := await self.proc.stdout.readline():
                 log_file.write(line)
                 text = line.decode(errors="replace").rstrip()
+                if self.engine_pgid is None and text.startswith(ENGINE_PID_LINE):
+                    self.engine_pgid = int(text[len(ENGINE_PID_LINE):])
                 self.adapter.observe_log_line(text)
                 print(f"[engine] {text}", flush=False)
                 log_file.flush()
@@ -221,17 +233,23 @@ class Supervisor:
     async def _stop_engine(self) -> None:
         """SIGTERM the guard: it stops the engine group (SIGKILL after the grace) and exits."""
         proc = self.proc
-        if proc is None or proc.returncode is not None:
+        if proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), ENGINE_STOP_GRACE_S + 5)
-        except TimeoutError:
-            log.warning("engine guard did not exit; killing it")
+        if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self._guard_exit(), ENGINE_STOP_GRACE_S + 5)
+            except TimeoutError:
+                log.warning("engine guard did not exit; killing it")
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await self._guard_exit()
+        if self.engine_pgid is not None:  # normally gone already; not if the guard itself was killed
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.engine_pgid, signal.SIGKILL)
+        with contextlib.suppress(TimeoutError):  # let the pipe close so the transport shuts down cleanly
+            await asyncio.wait_for(proc.wait(), 5)
 
 
 def main(args: argparse.Namespace) -> int:

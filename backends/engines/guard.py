@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 PR_SET_PDEATHSIG = 1
+ENGINE_PID_LINE = "kvroute-guard: engine process group "
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
@@ -45,6 +46,8 @@ def main(argv: list[str]) -> int:
     if os.getppid() != parent_pid:  # the supervisor died before we started
         return 1
     engine = subprocess.Popen(cmd, process_group=0, preexec_fn=_engine_preexec)
+    # The supervisor's last resort if this guard is SIGKILLed: it can still kill the engine's group.
+    print(f"{ENGINE_PID_LINE}{engine.pid}", flush=True)
 
     def on_term(signum: int, frame: object) -> None:
         if os.getppid() != parent_pid:  # parent-death signal: no one will wait for a graceful stop

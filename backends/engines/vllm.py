@@ -85,6 +85,8 @@ class VllmAdapter:
                "--host", launch.host, "--port", str(launch.port)]
         if launch.gpus and not launch.has_arg("--tensor-parallel-size", "-tp"):
             cmd += ["--tensor-parallel-size", str(len(launch.gpus))]
+        if not launch.has_arg("--disable-access-log-for-endpoints", "--disable-uvicorn-access-log"):
+            cmd += ["--disable-access-log-for-endpoints", "/metrics"]  # our 4 Hz reads would drown the log
         return cmd + list(launch.engine_args)
 
     def environment(self, launch: EngineLaunch, base: Mapping[str, str]) -> dict[str, str]:

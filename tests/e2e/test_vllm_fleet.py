@@ -1,0 +1,209 @@
+"""End to end on real vLLM CPU engines: two `kvroute worker --engine vllm` behind `kvroute proxy`.
+
+The tiny Qwen3-VL answers noise, so these check what a client can rely on: shapes, token
+counts (images really go through the vision path: each adds its placeholder tokens), streaming
+usage, load reports that move under load, and failover when one engine dies. The workers start
+once per module (~30 s each); the failover test runs last because it kills one of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from tests.support.procs import KVROUTE, REPO, Proc, ProcessGroup, free_port, wait_http_ok, wait_until
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
+
+MODEL_DIR = REPO / "models" / "tiny-qwen3-vl"
+MODEL = "tiny"
+# 8 MiB of KV = 4096 tokens (32 blocks of 128) on the tiny model: a few long requests fill it.
+ENGINE_ARGS = ["--enforce-eager", "--kv-cache-memory-bytes", str(8 * 1024 * 1024), "--max-num-seqs", "16",
+               "--max-model-len", "2048"]
+WORKER_START_TIMEOUT_S = 240
+
+
+@dataclass
+class Fleet:
+    proxy_url: str
+    workers: dict[str, tuple[Proc, int]]  # worker_id -> (supervisor, engine port)
+    group: ProcessGroup
+
+    def workers_view(self) -> dict[str, dict]:
+        body = httpx.get(f"{self.proxy_url}/workers", timeout=5).json()
+        return {w["worker_id"]: w for w in body["workers"]}
+
+
+def png_data_url(width: int, height: int, color: tuple[int, int, int]) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def engine_pid(port: int) -> int | None:
+    """The vLLM API server listening on `port` (the supervisor's grandchild, under the guard)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[1:3] == [b"-m", b"vllm.entrypoints.openai.api_server"] and str(port).encode() in argv:
+            return int(entry.name)
+    return None
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory) -> Iterator[Fleet]:
+    log_dir = tmp_path_factory.mktemp("vllm-fleet")
+    group = ProcessGroup(log_dir)
+    try:
+        if not (MODEL_DIR / "config.json").exists():
+            build = group.start([*KVROUTE, "make-tiny-model", str(MODEL_DIR)], name="make-tiny-model")
+            assert build.popen.wait(180) == 0, build.log()
+        proxy_port = free_port()
+        proxy_url = f"http://127.0.0.1:{proxy_port}"
+        group.start([*KVROUTE, "proxy", "--port", str(proxy_port)], name="proxy")
+        wait_http_ok(f"{proxy_url}/health", timeout=30)
+        workers: dict[str, tuple[Proc, int]] = {}
+        for worker_id in ("vllm-a", "vllm-b"):
+            port = free_port()
+            proc = group.start(
+                [*KVROUTE, "worker", "--engine", "vllm", "--model", str(MODEL_DIR), "--device", "cpu",
+                 "--served-model-name", MODEL, "--port", str(port), "--worker-id", worker_id,
+                 "--proxy-url", proxy_url, "--drain-grace-s", "5", "--", *ENGINE_ARGS],
+                name=worker_id, env={"KVROUTE_LOG_DIR": str(log_dir)})
+            workers[worker_id] = (proc, port)
+        fleet = Fleet(proxy_url, workers, group)
+
+        def both_ready() -> bool:
+            for proc, _ in workers.values():
+                assert proc.alive(), f"worker exited early:\n{proc.log()[-4000:]}"
+            view = fleet.workers_view()
+            return all(view.get(w, {}).get("state") == "ready" for w in workers)
+
+        wait_until(both_ready, WORKER_START_TIMEOUT_S, 0.5, "both vLLM workers to register ready")
+        yield fleet
+    except Exception:
+        print(group.logs())
+        raise
+    finally:
+        group.stop_all()
+
+
+def client(fleet: Fleet) -> OpenAI:
+    return OpenAI(base_url=f"{fleet.proxy_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def chat(fleet: Fleet, content, max_tokens: int = 6):
+    return client(fleet).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=max_tokens,
+        extra_body={"ignore_eos": True})
+
+
+def test_workers_register_as_vllm_with_their_kv_capacity(fleet):
+    view = fleet.workers_view()
+    for worker_id, (_, port) in fleet.workers.items():
+        assert view[worker_id]["engine"] == "vllm"
+        assert view[worker_id]["url"].endswith(f":{port}")
+        assert view[worker_id]["kv_capacity_tokens"] == 4096  # 32 blocks x 128 from vLLM's cache_config_info
+
+
+def test_chat_with_text(fleet):
+    raw = chat(fleet, "Describe a harbour at dawn.", max_tokens=8)
+    completion = raw.parse()
+    assert raw.headers["x-kvroute-worker"] in fleet.workers
+    assert completion.model == MODEL
+    assert completion.usage.completion_tokens == 8
+    assert isinstance(completion.choices[0].message.content, str)
+
+
+def test_images_go_through_the_vision_path(fleet):
+    text_only = chat(fleet, [{"type": "text", "text": "What is in the picture?"}]).parse().usage.prompt_tokens
+    image = {"type": "image_url", "image_url": {"url": png_data_url(96, 64, (200, 40, 40))}}
+    other = {"type": "image_url", "image_url": {"url": png_data_url(64, 128, (20, 90, 200))}}
+    one = chat(fleet, [image, {"type": "text", "text": "What is in the picture?"}]).parse()
+    two = chat(fleet, [image, other, {"type": "text", "text": "What is in the picture?"}]).parse()
+    # 96x64 px = 3x2 merged 32 px patches = 6 image tokens, 64x128 = 8; plus vision start/end each.
+    assert one.usage.prompt_tokens == text_only + 6 + 2
+    assert two.usage.prompt_tokens == text_only + (6 + 2) + (8 + 2)
+    assert one.usage.completion_tokens == two.usage.completion_tokens == 6
+
+
+def test_streaming_chat_reports_usage_in_the_last_chunk(fleet):
+    stream = client(fleet).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to ten."}], max_tokens=12, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content_chunks) >= 2  # relayed as it is produced, not as one body
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    assert any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)
+
+
+def test_completions_endpoint(fleet):
+    completion = client(fleet).completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=5,
+                                                  extra_body={"ignore_eos": True})
+    assert completion.usage.completion_tokens == 5
+    assert isinstance(completion.choices[0].text, str)
+
+
+async def test_load_reports_show_kv_usage_under_load(fleet):
+    api = AsyncOpenAI(base_url=f"{fleet.proxy_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    prompt = "Tell a long story about " + " ".join(f"ship{i}" for i in range(120))
+    seen: dict[str, float] = {}
+
+    async def watch(done: asyncio.Event) -> None:
+        async with httpx.AsyncClient(timeout=5) as http:
+            while not done.is_set():
+                for w in (await http.get(f"{fleet.proxy_url}/workers")).json()["workers"]:
+                    report = w.get("last_report") or {}
+                    seen[w["worker_id"]] = max(seen.get(w["worker_id"], 0.0), report.get("kv_cache_usage", 0.0))
+                await asyncio.sleep(0.1)
+
+    done = asyncio.Event()
+    watcher = asyncio.create_task(watch(done))
+    try:
+        results = await asyncio.gather(*[
+            api.completions.create(model=MODEL, prompt=f"{i}: {prompt}", max_tokens=300,
+                                   extra_body={"ignore_eos": True}) for i in range(16)])
+    finally:
+        done.set()
+        await watcher
+        await api.close()
+    assert all(r.usage.completion_tokens == 300 for r in results)
+    assert seen and max(seen.values()) > 0.1, seen
+    # Once idle, the engines say so again.
+    wait_until(lambda: all(((w.get("last_report") or {}).get("num_running", 1) == 0)
+                           for w in fleet.workers_view().values()), 30, 0.2, "reports to show idle engines")
+
+
+def test_killed_engine_is_reported_failed_and_traffic_moves_to_the_other(fleet):
+    victim, survivor = "vllm-a", "vllm-b"
+    supervisor, port = fleet.workers[victim]
+    pid = engine_pid(port)
+    assert pid is not None, "could not find the vLLM API server process"
+    os.kill(pid, signal.SIGKILL)
+
+    assert supervisor.popen.wait(60) == 1  # the supervisor noticed, reported, stopped, exited non-zero
+    assert "reported state 'failed'" in supervisor.log()
+    view = fleet.workers_view()
+    assert view[victim]["last_report"]["state"] == "failed"
+    assert view[victim]["state"] != "ready"
+    wait_until(lambda: engine_pid(port) is None, 10, what="no engine process left on the victim's port")
+
+    served_by = [chat(fleet, f"question {i}").headers["x-kvroute-worker"] for i in range(6)]
+    assert served_by == [survivor] * 6
