@@ -90,10 +90,10 @@ def bursty_arrivals(rate_per_s: float, count: int, seed: int, burst_factor: floa
     high = rate_per_s * burst_factor
     low = max(rate_per_s * (1 - duty * burst_factor) / (1 - duty), rate_per_s * 0.05)
     t, out = 0.0, []
-    while len(out) < count:
-        in_burst = (t % period_s) < duty * period_s
-        t += rng.expovariate(high if in_burst else low)
-        out.append(t)
+    while len(out) < count:  # thinning: candidates at the peak rate, kept with prob rate(t)/peak
+        t += rng.expovariate(high)
+        if (t % period_s) < duty * period_s or rng.random() < low / high:
+            out.append(t)
     return out
 
 
@@ -140,9 +140,13 @@ async def _consume_stream(resp: aiohttp.ClientResponse, res: Result, t0: float) 
 class LoadGenerator:
     """Sends RequestSpecs to one base URL, or round-robin over several (client-side "direct")."""
 
-    def __init__(self, targets: str | Sequence[str], timeout_s: float = 300.0, connections: int = 0,
-                 headers: dict[str, str] | None = None) -> None:
-        self.targets = [targets] if isinstance(targets, str) else list(targets)
+    def __init__(self, targets: str | Sequence[str] | dict[str, Sequence[str]], timeout_s: float = 300.0,
+                 connections: int = 0, headers: dict[str, str] | None = None) -> None:
+        # a dict is model -> worker URLs: client-side round robin among the workers of the body's model
+        self.by_model = {m: list(us) for m, us in targets.items()} if isinstance(targets, dict) else None
+        self.targets = [targets] if isinstance(targets, str) else \
+            [u for us in self.by_model.values() for u in us] if self.by_model else list(targets)
+        self._turns: dict[str, int] = {}
         self.timeout_s = timeout_s
         self.connections = connections
         self.headers = {"Content-Type": "application/json", **(headers or {})}
@@ -152,9 +156,18 @@ class LoadGenerator:
                                          enable_cleanup_closed=True)
         return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s))
 
+    def _target(self, index: int, spec: RequestSpec) -> str:
+        if self.by_model is None:
+            return self.targets[index % len(self.targets)]
+        model = str(spec.body.get("model"))
+        urls = self.by_model.get(model) or self.targets
+        turn = self._turns.get(model, 0)
+        self._turns[model] = turn + 1
+        return urls[turn % len(urls)]
+
     async def _send(self, session: aiohttp.ClientSession, index: int, spec: RequestSpec,
                     run_t0: float) -> Result:
-        target = self.targets[index % len(self.targets)]
+        target = self._target(index, spec)
         t0 = time.perf_counter()
         res = Result(index=index, tag=spec.tag, status=0, sent_at=t0 - run_t0, latency_s=0.0)
         try:

@@ -1,0 +1,34 @@
+"""`kvroute bench ...`: one subcommand per benchmark family, plus `peers` to install the peer routers.
+
+Owns only the command line; each family's module (overhead, quality, scale, peers) does the work.
+Heavy imports happen inside run() so `kvroute --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+FAMILIES: dict[str, tuple[str, str]] = {
+    "overhead": ("bench.overhead", "router overhead vs direct calls on 4 fast sim workers (kvroute + peers)"),
+    "quality": ("bench.quality", "routing quality at 50/80/95%% load on sim H100 workers (kvroute + peers)"),
+    "scale": ("bench.scale", "routing decision time at 10/100/1000 workers, prefix-index and per-stream memory"),
+    "peers": ("bench.peers", "install vllm-router, sglang-router and LMDeploy's proxy into bench/.peers/"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="family", metavar="FAMILY", required=True)
+    for name, (module_name, help_text) in FAMILIES.items():
+        fp = sub.add_parser(name, help=help_text, description=help_text)
+        module = importlib.import_module(module_name)
+        if hasattr(module, "add_arguments"):
+            module.add_arguments(fp)
+        fp.set_defaults(_family_module=module_name)
+
+
+def run(args: argparse.Namespace) -> int:
+    module = importlib.import_module(args._family_module)
+    if args.family == "peers":
+        return int(module.main() or 0)
+    return int(module.run(args) or 0)
