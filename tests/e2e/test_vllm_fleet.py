@@ -14,6 +14,7 @@ import io
 import os
 import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
             proc = group.start(
                 [*KVROUTE, "worker", "--engine", "vllm", "--model", str(MODEL_DIR), "--device", "cpu",
                  "--served-model-name", MODEL, "--port", str(port), "--worker-id", worker_id,
-                 "--proxy-url", proxy_url, "--drain-grace-s", "5", "--", *ENGINE_ARGS],
+                 "--proxy-url", proxy_url, "--drain-grace-s", "60", "--", *ENGINE_ARGS],
                 name=worker_id, env={"KVROUTE_LOG_DIR": str(log_dir)})
             workers[worker_id] = (proc, port)
         fleet = Fleet(proxy_url, workers, group)
@@ -207,3 +208,19 @@ def test_killed_engine_is_reported_failed_and_traffic_moves_to_the_other(fleet):
 
     served_by = [chat(fleet, f"question {i}").headers["x-kvroute-worker"] for i in range(6)]
     assert served_by == [survivor] * 6
+
+
+def test_sigterm_drains_in_flight_work_then_stops_the_engine(fleet):
+    worker_id = "vllm-b"
+    supervisor, port = fleet.workers[worker_id]
+    with ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(chat, fleet, "Write a very long letter.", 1000)
+        wait_until(lambda: (fleet.workers_view()[worker_id]["last_report"] or {}).get("num_running", 0) >= 1,
+                   30, 0.05, "the long request to run on the worker")
+        supervisor.signal(signal.SIGTERM)
+        wait_until(lambda: "draining" in supervisor.log(), 10, what="the supervisor to start draining")
+        # Stopping the engine now would cut the request short; draining lets it finish.
+        assert in_flight.result(timeout=120).parse().usage.completion_tokens == 1000
+    assert supervisor.popen.wait(60) == 0
+    assert worker_id not in fleet.workers_view()  # deregistered on the way out
+    wait_until(lambda: engine_pid(port) is None, 10, what="the engine to be stopped")
