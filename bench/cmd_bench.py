@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
+import sys
 
 FAMILIES: dict[str, tuple[str, str]] = {
     "overhead": ("bench.overhead", "router overhead vs direct calls on 4 fast sim workers (kvroute + peers)"),
@@ -27,7 +29,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         fp.set_defaults(_family_module=module_name)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # SIGTERM unwinds like Ctrl-C, so the `with Fleet(...)`/`finally` blocks stop every process
+    # the bench started (workers, proxy, peers) by PID instead of leaving them running
+    sys.exit(128 + signum)
+
+
 def run(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     module = importlib.import_module(args._family_module)
     if args.family == "peers":
         return int(module.main() or 0)

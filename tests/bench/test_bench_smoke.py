@@ -1,0 +1,85 @@
+"""Smoke runs of the benchmarks: tiny sizes, kvroute vs direct only (no peers), real processes.
+
+They check that each family produces its results table and that no request failed; they do
+not judge speed (the full benchmark runs do that, outside `make test`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.support.procs import KVROUTE, wait_until
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def _run_bench(procs, out_dir: Path, *args: str, timeout: float = 120.0) -> str:
+    # the marker is inherited by every process the bench starts, so the test can find leftovers
+    proc = procs.start([*KVROUTE, "bench", *args, "--out-dir", str(out_dir)], name="bench",
+                       env={"KVROUTE_BENCH_MARK": str(out_dir)})
+    wait_until(lambda: not proc.alive(), timeout, 0.2, f"kvroute bench {args[0]} to finish")
+    log = proc.log()
+    assert proc.popen.returncode == 0, log[-3000:]
+    return log
+
+
+def _table_rows(md: str, first_cell: str) -> list[list[str]]:
+    rows = []
+    for line in md.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells and re.fullmatch(first_cell, cells[0]):
+            rows.append(cells)
+    return rows
+
+
+def _processes_marked(mark: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if f"KVROUTE_BENCH_MARK={mark}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass  # gone, or not ours to read
+    return found
+
+
+def test_overhead_smoke_produces_table_with_no_failed_requests(procs, tmp_path):
+    _run_bench(procs, tmp_path, "overhead", "--scale", "0.05", "--warmup", "20", "--no-peers",
+               "--policies", "kv_aware", "--workloads", "stream,nonstream")
+    md_files = list(tmp_path.glob("*-overhead.md"))
+    assert len(md_files) == 1
+    md = md_files[0].read_text()
+    rows = _table_rows(md, r"direct|kvroute:kv_aware")
+    assert len(rows) == 4, md  # two routes x two workloads
+    rows_json = json.loads(next(tmp_path.glob("*-overhead.json")).read_text())
+    assert {(r["route"], r["workload"]) for r in rows_json} == {
+        ("direct", "stream"), ("kvroute:kv_aware", "stream"), ("direct", "nonstream"), ("kvroute:kv_aware", "nonstream")}
+    for r in rows_json:
+        assert r["failed"] == 0 and r["rejected"] == 0, r
+        assert r["ok"] == r["requests"] == 100
+    kv = next(r for r in rows_json if r["route"] == "kvroute:kv_aware" and r["workload"] == "stream")
+    assert kv["cpu_us_per_req"] > 0 and kv["rss_mb"] > 0  # the router's /proc figures were read
+    assert list(tmp_path.glob("*-overhead-stream-latency-cdf.png"))
+    wait_until(lambda: not _processes_marked(str(tmp_path)), 10, 0.2, "the bench's processes to be gone")
+
+
+def test_quality_smoke_produces_table_with_no_failed_requests(procs, tmp_path):
+    _run_bench(procs, tmp_path, "quality", "--workloads", "chat", "--loads", "0.8", "--routes",
+               "direct,kvroute:kv_aware", "--workers", "2", "--duration", "4", "--calibrate-requests", "80",
+               "--calibrate-concurrency", "16", "--time-scale", "4")
+    md = next(tmp_path.glob("*-quality.md")).read_text()
+    rows = _table_rows(md, r"\d+%")
+    assert [r[1] for r in rows] == ["direct", "kvroute:kv_aware"], md
+    rows_json = json.loads(next(tmp_path.glob("*-quality.json")).read_text())
+    for r in rows_json:
+        assert r["failed"] == 0 and r["ok"] == r["requests"] > 0, r
+        assert r["ttft_p99"] is not None and r["kv_peak"] is not None
+    # the kvroute row reads the workers' counters: a shared-system-prompt chat must hit the prefix cache
+    assert next(r for r in rows_json if r["route"] == "kvroute:kv_aware")["prefix_hit"] > 0.3
+    assert list(tmp_path.glob("*-quality-chat-80-ttft-cdf.png"))
+    wait_until(lambda: not _processes_marked(str(tmp_path)), 10, 0.2, "the bench's processes to be gone")
