@@ -21,10 +21,17 @@ from proxy.fleet.reconcile import FleetManager
 async def start_proxy(config: FleetConfig, manager: FleetManager, host: str, port: int,
                       policy: str | None = None, within_s: float = 30.0) -> Callable[[], Awaitable[None]]:
     """Start serving; return once /health answers. The result stops the proxy."""
-    from proxy.app import METRICS_KEY, build_app, serve
+    from proxy.app import DISPATCHER_KEY, METRICS_KEY, build_app, serve
 
     app = build_app(config, policy=policy)
     add_fleet_routes(app, manager)
+    dispatcher = app[DISPATCHER_KEY]
+
+    def follow_models(new: FleetConfig) -> None:
+        # Models and aliases added by an edit must resolve at once; proxy settings still need a restart.
+        dispatcher.config = dispatcher.config.model_copy(update={"models": new.models})
+
+    manager.on_apply.append(follow_models)
     register_fleet_metrics(app[METRICS_KEY].collector_registry, manager)
     task = asyncio.create_task(serve(app, host, port), name="kvroute-proxy")
     dial = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host

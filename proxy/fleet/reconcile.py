@@ -53,6 +53,8 @@ class FleetManager:
         self._closing = False
         self._retry: set[str] = set()
         self._tick = asyncio.Event()  # set after every registry poll
+        # Called with each accepted desired state (the in-process proxy learns new models and aliases).
+        self.on_apply: list[Callable[[FleetConfig], None]] = []
 
     # --- desired state ---------------------------------------------------------------------
 
@@ -81,6 +83,8 @@ class FleetManager:
             plan["proxy"] = "proxy settings changed: they take effect when `kvroute up` restarts"
         self.desired = config
         self.generation += 1
+        for listener in self.on_apply:
+            listener(config)
         # An explicit apply retries replicas that gave up after a crash loop.
         self._retry |= {r.worker_id for r in self.replicas.values() if r.state == FAILED}
         self.applied_at = time.time()

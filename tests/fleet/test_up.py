@@ -103,15 +103,21 @@ def test_config_edits_are_followed_without_a_restart(fleets):
     fleet.wait_workers({"tiny-0"})
     up_pid = fleet.proc.pid
 
-    fleet.write_config(HEAD + sim_model("tiny", 2))
-    fleet.wait_workers({"tiny-0", "tiny-1"})
+    # More replicas, and a new model whose alias works as soon as its worker is ready.
+    fleet.write_config(HEAD + sim_model("tiny", 2) + sim_model("second", 1, extra="") + "\n        aliases: [alias2]")
+    fleet.wait_workers({"tiny-0", "tiny-1", "second-0"})
+    resp = httpx.post(f"{fleet.url}/v1/chat/completions", timeout=30,
+                      json={"model": "alias2", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-kvroute-worker"] == "second-0"
 
     # A broken edit is reported with its line and ignored: the fleet keeps running as it was.
     fleet.write_config(HEAD + sim_model("tiny", 2).replace("replicas: 2", "replicas: -1"))
     wait_until(lambda: "models[0].replicas (line" in fleet.proc.log(), 20, what="the bad edit to be reported")
-    assert fleet.ready_ids() == {"tiny-0", "tiny-1"}
+    assert fleet.ready_ids() == {"tiny-0", "tiny-1", "second-0"}
 
-    # New engine args: a rolling restart, each replacement ready before its old replica drains.
+    # New engine args: a rolling restart, each replacement ready before its old replica drains;
+    # the model that left the file is drained away.
     with SteadyLoad(fleet.url, "tiny", concurrency=3) as load:
         fleet.write_config(HEAD + sim_model("tiny", 2, time_scale=2))
         fleet.wait_workers({"tiny-0-g1", "tiny-1-g1"}, timeout=90)
