@@ -190,8 +190,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=16.0, help="simulated seconds of arrivals per cell")
     p.add_argument("--time-scale", type=float, default=2.5, help="sim time scale (results are in simulated time)")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--calibrate-requests", type=int, default=400)
-    p.add_argument("--calibrate-concurrency", type=int, default=24, help="closed-loop clients per worker")
+    p.add_argument("--calibrate-requests", type=int, default=600)
+    p.add_argument("--calibrate-concurrency", type=int, default=64, help="closed-loop clients per worker")
     p.add_argument("--out-dir", type=Path, default=None)
     p.add_argument("--name", default="quality")
 

@@ -3,7 +3,7 @@
 Owns the four workload shapes (chat, vqa, bursty, mix) and their file format; sending them is
 loadgen's job. Arrival times are stored for a mean rate of 1 request/s and scaled at load time.
 
-File format (JSON lines): a header {"kind", "seed", "models", "system_prompts", "images"} and then
+File format (gzipped JSON lines): a header {"kind", "seed", "models", "system_prompts", "images"} and then
 one request per line {"t", "tag", "body"} where a message content may be {"$system": k} (the k-th
 shared system prompt) and an image URL may be {"$image": k}; images are regenerated from their
 (width, height, colour) entry as PNG data: URLs, so the files stay small.
@@ -12,6 +12,7 @@ shared system prompt) and an image URL may be {"$image": k}; images are regenera
 from __future__ import annotations
 
 import base64
+import gzip
 import io
 import json
 import random
@@ -47,7 +48,7 @@ class Workload:
     # ---- files ------------------------------------------------------------------------------
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as f:
+        with gzip.open(path, "wt") as f:
             f.write(json.dumps({"kind": self.kind, "seed": self.seed, "models": self.models,
                                 "system_prompts": self.system_prompts, "images": self.images}) + "\n")
             for r in self.requests:
@@ -55,7 +56,7 @@ class Workload:
 
     @classmethod
     def load(cls, path: Path) -> Workload:
-        with open(path) as f:
+        with gzip.open(path, "rt") as f:
             head = json.loads(f.readline())
             reqs = [json.loads(line) for line in f if line.strip()]
         return cls(head["kind"], head["seed"], head["models"], head["system_prompts"], head["images"], reqs)
@@ -165,7 +166,7 @@ def generate(kind: str, seed: int, n: int) -> Workload:
 
 def load_or_generate(kind: str, seed: int, n: int, directory: Path = WORKLOAD_DIR) -> Workload:
     """The saved workload for (kind, seed, n), generating and saving it on first use."""
-    path = directory / f"{kind}-seed{seed}-n{n}.jsonl"
+    path = directory / f"{kind}-seed{seed}-n{n}.jsonl.gz"
     if path.exists():
         return Workload.load(path)
     w = generate(kind, seed, n)
