@@ -10,17 +10,12 @@ from tests.proxy.test_e2e_forwarding import sse_events
 
 pytestmark = pytest.mark.timeout(120)
 
-TIMEOUTS = """
-proxy:
-  timeouts:
-    connect_s: 1.0
-    first_byte_s: 2.0
-    idle_s: 1.0
-"""
+IDLE_TIMEOUT = "proxy:\n  timeouts:\n    first_byte_s: 30\n    idle_s: 1.0\n"
+FIRST_BYTE_TIMEOUT = "proxy:\n  timeouts:\n    connect_s: 1.0\n    first_byte_s: 2.0\n"
 
 
 def test_a_stream_that_stalls_ends_with_an_error_after_the_idle_timeout(fleet):
-    fleet.start_proxy(config=TIMEOUTS)
+    fleet.start_proxy(config=IDLE_TIMEOUT)
     fleet.start_sims(1, extra=("--stall-after", "0"))
     with httpx.stream("POST", fleet.url + "/v1/chat/completions", timeout=30, json={
             "model": "m1", "stream": True, "max_tokens": 50,
@@ -35,7 +30,7 @@ def test_a_stream_that_stalls_ends_with_an_error_after_the_idle_timeout(fleet):
 
 
 def test_a_worker_that_never_answers_is_left_for_another_after_the_first_byte_timeout(fleet):
-    fleet.start_proxy(config=TIMEOUTS)
+    fleet.start_proxy(config=FIRST_BYTE_TIMEOUT)
     fleet.start_sims(1, extra=("--stall-after", "0"), prefix="stalled")
     (good,) = fleet.start_sims(1, prefix="good")
     responses = [fleet.chat(f"q{i}") for i in range(4)]
