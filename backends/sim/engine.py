@@ -42,6 +42,9 @@ class SimEngine:
         self.stalled = False
         self.num_steps = 0
         self.busy_sim_s = 0.0
+        # simulated seconds lost because the host could not keep up between back-to-back steps;
+        # benchmarks report it (a large value means the figures are the host's, not the model's)
+        self.lag_sim_s = 0.0
         self.finish_listeners: list[Callable[[SimRequest], None]] = []
         self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
         self._t0 = time.monotonic()
@@ -90,19 +93,25 @@ class SimEngine:
 
     # ---- the loop ------------------------------------------------------------------------------
     async def _run(self) -> None:
+        back_to_back = False
         while True:
             if self.stalled or not self.scheduler.has_work():
                 self._wake.clear()
                 await self._wake.wait()
+                back_to_back = False
                 continue
             step = self.scheduler.schedule()
             if not step.scheduled:  # nothing fits right now; wait for a change instead of spinning
                 self._wake.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=0.05)
+                back_to_back = False
                 continue
             duration = step_time_s(self.preset, step.work)
             start = max(self._sim_clock, self.now())
+            if back_to_back:
+                self.lag_sim_s += start - self._sim_clock
+            back_to_back = True
             end = start + duration
             await self._sleep_until(end)
             self._sim_clock = end

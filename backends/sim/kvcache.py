@@ -79,17 +79,20 @@ class KVCache:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[Block]:
+    def find_cached_prefix(self, token_ids: Sequence[int], hashes: Sequence[int] | None = None) -> list[Block]:
         """Longest run of cached blocks matching the prompt's leading full blocks.
 
         At least one token is always left to compute (the model must produce logits for the last
-        one), so a prompt fully in cache reuses all but its last block, as vLLM does.
+        one), so a prompt fully in cache reuses all but its last block, as vLLM does. `hashes`, when
+        given, are the prompt's full-block hashes already computed (see SimRequest.full_block_hashes).
         """
         if not self.enable_prefix_caching:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
+        if hashes is None:
+            hashes = block_hashes(token_ids, self.block_size, max_blocks)
         hits: list[Block] = []
-        for h in block_hashes(token_ids, self.block_size, max_blocks):
+        for h in hashes[:max_blocks]:
             block = self._cached.get(h)
             if block is None:
                 break

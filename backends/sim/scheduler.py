@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from backends.sim.cost import StepWork
-from backends.sim.kvcache import KVCache
+from backends.sim.kvcache import KVCache, hash_block
 from backends.sim.tokens import FillerText, Prompt
 
 
@@ -46,6 +46,14 @@ class SimRequest:
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt.token_ids)
         self.filler = FillerText(self.seed)
+        self._block_hashes: list[int] = []
+
+    def full_block_hashes(self, block_size: int) -> list[int]:
+        """Hash chain over the request's full blocks, extended as tokens are added (computed once)."""
+        hashes = self._block_hashes
+        for i in range(len(hashes), len(self.token_ids) // block_size):
+            hashes.append(hash_block(hashes[-1] if hashes else None, self.token_ids[i * block_size:(i + 1) * block_size]))
+        return hashes
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -100,6 +108,7 @@ class Scheduler:
         self.prefix_hit_tokens = 0
         self.recent_prefix: deque[tuple[int, int]] = deque(maxlen=256)  # (queries, hits) per admission
         self.num_finished = 0
+        self.num_generated_tokens = 0
 
     # ---- queue management ----------------------------------------------------------------------
     def add(self, request: SimRequest) -> None:
@@ -165,7 +174,8 @@ class Scheduler:
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
-                hits = self.kv.find_cached_prefix(request.token_ids)
+                hits = self.kv.find_cached_prefix(request.token_ids,
+                                                  request.full_block_hashes(self.kv.block_size))
                 num_cached = len(hits) * self.kv.block_size
                 num_new = min(request.num_tokens - num_cached, budget)
                 if not self.kv.allocate_slots(request.request_id, num_cached, num_new, hits):
@@ -216,6 +226,7 @@ class Scheduler:
             text, token_id = request.filler.next_piece(first=request.num_output_tokens == 0)
             request.token_ids.append(token_id)
             request.num_output_tokens += 1
+            self.num_generated_tokens += 1
             if request.first_token_time is None:
                 request.first_token_time = now
             done = request.num_output_tokens >= request.max_tokens

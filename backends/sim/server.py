@@ -121,12 +121,14 @@ class SimServer:
         sched, kv = self.engine.scheduler, self.engine.kv
         return {
             "preset": self.preset.name, "model": self.model, "time_scale": self.engine.time_scale,
-            "sim_time_s": self.engine.now(), "busy_sim_s": self.engine.busy_sim_s, "steps": self.engine.num_steps,
+            "sim_time_s": self.engine.now(), "busy_sim_s": self.engine.busy_sim_s, "lag_sim_s": self.engine.lag_sim_s,
+            "steps": self.engine.num_steps,
             "num_blocks": kv.num_blocks, "block_size": kv.block_size, "used_blocks": kv.num_used_blocks,
             "cached_blocks": kv.num_cached_blocks, "kv_cache_usage": kv.usage,
             "kv_capacity_tokens": kv.num_blocks * kv.block_size, "max_model_len": self.engine.max_model_len,
             "num_running": len(sched.running), "num_waiting": len(sched.waiting),
             "num_preemptions": sched.num_preemptions, "num_finished": sched.num_finished,
+            "generated_tokens": sched.num_generated_tokens,
             "prefix_cache_queries": sched.prefix_queries_tokens, "prefix_cache_hits": sched.prefix_hit_tokens,
             "prefix_cache_hit_rate": sched.recent_prefix_hit_rate, "in_flight": self.in_flight,
             "requests_received": self.requests_received, "draining": self.draining, "stalled": self.engine.stalled,
