@@ -79,8 +79,10 @@ class FleetManager:
                 plan[m.name] = "unchanged"
         for name in before:
             plan[name] = "remove (drain all replicas)"
-        if config.proxy != self.desired.proxy:
+        # The running proxy keeps its settings (host/port may come from the command line, not the file).
+        if config.proxy.model_dump(exclude={"host", "port"}) != self.desired.proxy.model_dump(exclude={"host", "port"}):
             plan["proxy"] = "proxy settings changed: they take effect when `kvroute up` restarts"
+        config = config.model_copy(update={"proxy": self.desired.proxy})
         self.desired = config
         self.generation += 1
         for listener in self.on_apply:
@@ -197,7 +199,9 @@ class FleetManager:
         if need and not self.gpus.can_allocate([need]):
             log.warning("%s: no spare GPUs to start its replacement first; restarting in place", old.worker_id)
             await self._stop(old)
-            self._spawn(m, old.index)
+            new = self._spawn(m, old.index)
+            # One replica down at a time: the next one waits until this one serves again.
+            await self.until(lambda: new.ready or new.state == FAILED or self._closing, m.startup_timeout_s)
             return
         new = self._spawn(m, old.index)
         await self.until(lambda: new.ready or new.state == FAILED or self._closing, m.startup_timeout_s)

@@ -80,7 +80,10 @@ class Replica:
         """Fold in what the proxy's registry says about this worker (None: not registered)."""
         self.registered_state = registered_state
         if self.state in (STARTING, READY) and self.handle is not None:
-            self.state = READY if registered_state == "ready" else STARTING
+            state = READY if registered_state == "ready" else STARTING
+            if state != self.state:
+                log.info("%s: %s (proxy says %s)", self.worker_id, state, registered_state or "not registered")
+            self.state = state
 
     async def _supervise(self) -> None:
         while not self._stopping:

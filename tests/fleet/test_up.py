@@ -168,3 +168,25 @@ def test_a_bad_config_names_key_path_and_line(tmp_path):
     out = subprocess.run([*KVROUTE, "up", str(cfg)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "models[0].replicas (line 4)" in out.stderr
+
+
+def test_rolling_restart_without_spare_gpus_restarts_in_place_on_the_same_gpus(fleets):
+    fleet = fleets(HEAD + sim_model("t", 2, gpus=1), env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    fleet.wait_workers({"t-0", "t-1"})
+    old_pids = {r["pid"] for r in fleet.fleet()["replicas"]}
+    fleet.write_config(HEAD + sim_model("t", 2, gpus=1, time_scale=2))
+
+    def restarted() -> dict | None:
+        body = fleet.fleet()
+        want = body["models"][0]["fingerprint"]
+        rs = body["replicas"]
+        done = (len(rs) == 2 and all(r["fingerprint"] == want and r["state"] == "ready" for r in rs)
+                and not {r["pid"] for r in rs} & old_pids)
+        return body if done else None
+    body = wait_until(restarted, 90, 0.2, "both replicas to run the new spec")
+    assert sorted(r["gpus"] for r in body["replicas"]) == [["0"], ["1"]]  # never two replicas on one GPU
+    assert sorted(r["worker_id"] for r in body["replicas"]) == ["t-0", "t-1"]  # in place: same ids
+    log = fleet.proc.log()
+    assert "no spare GPUs to start its replacement first" in log and "proxy settings changed" not in log
+    # One at a time: t-1 was stopped only after the new t-0 was ready.
+    assert log.index("t-0: ready", log.index("stopped t-0")) < log.index("stopped t-1")
