@@ -7,6 +7,7 @@ Faults: --fail-rate answers that fraction of completion requests with HTTP 500; 
 serves N completion requests and exits abruptly (os._exit(1), no drain) when request N+1 arrives;
 --stall-after N freezes the engine once request N+1 is admitted (no more tokens for anyone, while
 /health still answers, like a hung GPU); --slow-start S waits S wall seconds before listening.
+Besides vLLM's routes it serves GET /sim/state: the engine's internals as JSON, for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -239,13 +240,29 @@ class SimServer:
 
 
 def build_preset(args: argparse.Namespace) -> Preset:
-    return get_preset(args.preset).with_overrides(
+    """The preset with command-line overrides; ValueError names the flag that is wrong."""
+    try:
+        preset = get_preset(args.preset)
+    except KeyError as exc:
+        raise ValueError(exc.args[0]) from None
+    preset = preset.with_overrides(
         kv_capacity_tokens=args.kv_capacity_tokens, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    for flag, value in (("--block-size", preset.block_size), ("--max-num-seqs", preset.max_num_seqs),
+                        ("--max-num-batched-tokens", preset.max_num_batched_tokens)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if preset.kv_capacity_tokens < preset.block_size:
+        raise ValueError(f"--kv-capacity-tokens ({preset.kv_capacity_tokens}) must hold at least one block "
+                         f"of {preset.block_size} tokens")
+    if args.time_scale <= 0:
+        raise ValueError(f"--time-scale must be positive, got {args.time_scale}")
+    if not 0.0 <= args.fail_rate <= 1.0:
+        raise ValueError(f"--fail-rate must be between 0 and 1, got {args.fail_rate}")
+    return preset
 
 
-async def serve(args: argparse.Namespace) -> int:
-    preset = build_preset(args)
+async def serve(args: argparse.Namespace, preset: Preset) -> int:
     model = args.served_model_name or preset.served_model_name
     if args.slow_start > 0:
         log.info("--slow-start: waiting %.1fs before listening", args.slow_start)
@@ -297,6 +314,11 @@ async def serve(args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        preset = build_preset(args)
+    except ValueError as exc:
+        print(f"kvroute worker: error: {exc}", file=sys.stderr)
+        return 2
     import uvloop
 
-    return uvloop.run(serve(args))
+    return uvloop.run(serve(args, preset))

@@ -133,3 +133,10 @@ def test_slow_start_delays_listening(sim):
     proc, _ = sim("--slow-start", "0.3")
     log = proc.log()
     assert log.index("--slow-start") < log.index("kvroute-sim listening")
+
+
+def test_bad_flags_exit_with_a_message_naming_the_flag(procs):
+    proc = procs.kvroute("worker", "--engine", "sim", "--port", "0", "--preset", "cpu-tiny",
+                         "--kv-capacity-tokens", "64", name="bad-sim")
+    assert proc.popen.wait(30) == 2
+    assert "--kv-capacity-tokens" in proc.log()
