@@ -107,7 +107,12 @@ async def _up(args: argparse.Namespace, path: Path, config: FleetConfig) -> int:
 
     from proxy.fleet.proxyhost import start_proxy
 
-    stop_proxy = await start_proxy(config, manager, host, port, policy=args.policy)
+    try:
+        stop_proxy = await start_proxy(config, manager, host, port, policy=args.policy)
+    except (OSError, ValueError, RuntimeError) as exc:  # port taken, unknown policy, ...
+        print(f"kvroute up: cannot start the proxy on {host}:{port}: {exc}", file=sys.stderr)
+        await control.close()
+        return 1
     console.print(f"kvroute up: proxy on {proxy_url} (GPUs: {', '.join(gpus) or 'none'} from {source}); "
                   f"worker logs in {run_dir}")
 

@@ -177,7 +177,9 @@ class FleetManager:
         placement = self.placement(m.placement)
         launch = WorkerLaunch(worker_id=wid, model=m, proxy_url=self.proxy_url, gpus=gpus,
                               drain_grace_s=self.desired.proxy.drain_grace_s,
-                              worker_token=self.desired.proxy.worker_token, log_level=self.log_level)
+                              # Without a worker token the proxy accepts only the admin token from workers too.
+                              worker_token=self.desired.proxy.worker_token or self.desired.proxy.admin_token,
+                              log_level=self.log_level)
         r = Replica(launch, index, generation, spec_fingerprint(m), placement, self.restart_policy)
         self.replicas[wid] = r
         r.start()

@@ -44,7 +44,8 @@ class Fleet:
     """A running `kvroute up` and what the test knows about it."""
 
     def __init__(self, procs: ProcessGroup, tmp_path: Path, config: str, *extra: str,
-                 env: dict[str, str] | None = None, name: str = "up") -> None:
+                 env: dict[str, str] | None = None, name: str = "up", token: str | None = None) -> None:
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config_path = tmp_path / "fleet.yaml"
@@ -62,12 +63,12 @@ class Fleet:
         tmp.replace(self.config_path)
 
     def fleet(self) -> dict[str, Any]:
-        body = httpx.get(f"{self.url}/fleet", timeout=5).json()
+        body = httpx.get(f"{self.url}/fleet", headers=self.headers, timeout=5).json()
         self.seen_worker_pids |= {r["pid"] for r in body["replicas"] if r.get("pid")}
         return body
 
     def workers(self) -> dict[str, dict[str, Any]]:
-        body = httpx.get(f"{self.url}/workers", timeout=5).json()
+        body = httpx.get(f"{self.url}/workers", headers=self.headers, timeout=5).json()
         records = body.get("workers", body) if isinstance(body, dict) else body
         return {w["worker_id"]: w for w in records}
 

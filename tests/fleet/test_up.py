@@ -27,8 +27,8 @@ def fleets(procs, tmp_path):
     """Start `kvroute up` with `fleets(config)`; whatever it started is checked and stopped at the end."""
     started: list[Fleet] = []
 
-    def start(config: str, *extra: str, env: dict[str, str] | None = None) -> Fleet:
-        fleet = Fleet(procs, tmp_path, config, *extra, env=env)
+    def start(config: str, *extra: str, env: dict[str, str] | None = None, token: str | None = None) -> Fleet:
+        fleet = Fleet(procs, tmp_path, config, *extra, env=env, token=token)
         started.append(fleet)
         return fleet
 
@@ -144,9 +144,16 @@ def test_gpus_are_assigned_and_stop_leaves_no_process(fleets):
     assert processes_in_groups(pids) == []  # nothing the workers started is left either
 
 
-def test_sigkilled_up_takes_its_workers_with_it(fleets):
-    fleet = fleets(HEAD + sim_model("tiny", 2))
-    fleet.wait_workers({"tiny-0", "tiny-1"})
+def test_admin_token_guards_the_fleet_and_sigkilled_up_takes_its_workers_with_it(fleets):
+    head = HEAD.replace("drain_grace_s: 20", "drain_grace_s: 20\n      admin_token: ${TEST_ADMIN_TOKEN}")
+    fleet = fleets(head + sim_model("tiny", 2), env={"TEST_ADMIN_TOKEN": "s3cret"}, token="s3cret")
+    fleet.wait_workers({"tiny-0", "tiny-1"})  # the workers got a token the proxy accepts
+    denied = cli("status", "--proxy", fleet.url)
+    assert denied.returncode == 1 and "401" in denied.stderr
+    assert cli("scale", "tiny", "3", "--proxy", fleet.url).returncode == 1
+    allowed = cli("status", "--proxy", fleet.url, "--token", "s3cret")
+    assert allowed.returncode == 0 and "tiny-1" in allowed.stdout
+
     pids = {r["pid"] for r in fleet.fleet()["replicas"]}
     os.kill(fleet.proc.pid, signal.SIGKILL)
     wait_until(lambda: not any(pid_alive(p) for p in pids), 30, what="orphaned workers to exit")
