@@ -76,9 +76,13 @@ def fleet_tables(workers: dict[str, dict[str, Any]], fleet: dict[str, Any] | Non
         if d:
             title += f"  ({d['engine']}, placement {d['placement']})"
         t = Table(title=title, title_justify="left", expand=False)
+        id_width = max([len(r["worker_id"]) for r in model_rows] or [6])
         for col in ("worker", "state", "engine", "url", "GPUs", "KV", "running", "waiting", "req/s", "uptime",
                     "restarts"):
-            t.add_column(col, justify="right" if col in ("KV", "running", "waiting", "req/s", "restarts") else "left")
+            # On a narrow terminal the numbers shrink; the worker id and state stay whole.
+            t.add_column(col, justify="right" if col in ("KV", "running", "waiting", "req/s", "restarts") else "left",
+                         no_wrap=col in ("worker", "state"),
+                         min_width=id_width if col == "worker" else (8 if col == "state" else None))
         for r in model_rows:
             style = STATE_STYLE.get(r["state"], "")
             state = f"[{style}]{r['state']}[/]" if style else r["state"]
