@@ -108,6 +108,7 @@ class Dispatcher:
         path = request.rel_url.raw_path_qs
         tried: set[str] = set()
         last_failure: RetryableFailure | None = None
+        last_worker: Worker | None = None
         for attempt in range(self.proxy_config.retries + 1):
             decision = await self._pick(policy, routed, served, tried, first_attempt=attempt == 0)
             if decision is None:
@@ -123,7 +124,7 @@ class Dispatcher:
                 self.metrics.requests.labels(served, worker.worker_id, "client_closed").inc()
                 raise
             if isinstance(outcome, RetryableFailure):
-                last_failure = outcome
+                last_failure, last_worker = outcome, worker
                 if self.registry.record_failure(worker, outcome.detail):
                     log.warning("circuit opened for %s after: %s", worker.worker_id, outcome.detail)
                 log.info("request %s: worker %s failed before the first byte (%s); %s", request_id,
@@ -133,7 +134,7 @@ class Dispatcher:
                 continue
             self._record(served, worker, outcome, started)
             return outcome.response
-        return self._exhausted(served, last_failure, request_id, started)
+        return self._exhausted(served, last_failure, last_worker, request_id)
 
     async def _forward_once(self, worker: Worker, decision: Decision, policy: Policy, routed: RoutedRequest,
                             path: str, body: bytes, headers, request: web.Request,
@@ -166,12 +167,13 @@ class Dispatcher:
         if outcome.first_byte_at is not None:
             self.metrics.ttft.labels(served).observe(outcome.first_byte_at - started)
 
-    def _exhausted(self, served: str, failure: RetryableFailure | None, request_id: str,
-                   started: float) -> web.StreamResponse:
+    def _exhausted(self, served: str, failure: RetryableFailure | None, worker: Worker | None,
+                   request_id: str) -> web.StreamResponse:
         headers = {"x-request-id": request_id}
-        if failure is not None and failure.status is not None and failure.body is not None:
+        if failure is not None and worker is not None and failure.status is not None and failure.body is not None:
             # Every worker tried answered with an error: pass the last answer on, as the engine wrote it.
-            self.metrics.requests.labels(served, "", str(failure.status)).inc()
+            headers["x-kvroute-worker"] = worker.worker_id
+            self.metrics.requests.labels(served, worker.worker_id, str(failure.status)).inc()
             return web.Response(status=failure.status, body=failure.body, headers=headers,
                                 content_type=(failure.content_type or "application/json").split(";")[0])
         self.metrics.rejections.labels(served, "no_healthy_worker").inc()

@@ -127,3 +127,14 @@ def test_the_control_plane_needs_the_admin_token_when_one_is_configured(fleet):
                            headers={"Authorization": "Bearer w0rker"}).status_code == 401
     assert fleet.http.post(fleet.url + "/nodes/add", json={"url": "http://x"}).status_code == 401
     assert fleet.http.get(fleet.url + "/health").status_code == 200  # not guarded
+
+
+def test_kvroute_proxy_refuses_an_unknown_policy_or_a_bad_config(procs, tmp_path):
+    bad_policy = procs.kvroute("proxy", "--port", "0", "--policy", "fastest", name="bad-policy")
+    assert bad_policy.popen.wait(30) == 2
+    assert "unknown policy 'fastest'" in bad_policy.log()
+    config = tmp_path / "bad.yaml"
+    config.write_text("proxy:\n  retries: -1\n")
+    bad_config = procs.kvroute("proxy", "--port", "0", "--config", str(config), name="bad-config")
+    assert bad_config.popen.wait(30) == 2
+    assert "proxy.retries (line 2)" in bad_config.log()

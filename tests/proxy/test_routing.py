@@ -148,3 +148,18 @@ def test_prefix_index_ignores_entries_older_than_its_ttl():
     index.insert([1, 2], "a", NOW)
     assert index.match([1, 2], {"a"}, NOW + 5) == {"a": 2}
     assert index.match([1, 2], {"a"}, NOW + 11) == {}
+
+
+def test_a_model_can_have_its_own_policy():
+    from proxy.config import FleetConfig
+    from proxy.dispatch import PolicySet
+
+    config = FleetConfig.model_validate({"models": [
+        {"name": "chat", "engine": "sim", "policy": "session"}, {"name": "other", "engine": "sim"}]})
+    policies = PolicySet(config, "kv_aware", deps())
+    assert policies.for_model("chat").name == "session"
+    assert policies.for_model("other").name == "kv_aware"
+    assert policies.for_model("unlisted").name == "kv_aware"
+    bad = FleetConfig.model_validate({"models": [{"name": "x", "engine": "sim", "policy": "fastest"}]})
+    with pytest.raises(ValueError, match="fastest"):
+        PolicySet(bad, "kv_aware", deps())
