@@ -48,6 +48,7 @@ class ParsedRequest:
     finish_reason: str  # at max_tokens: "length" when the client set it, else "stop"
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     seed: int
 
 
@@ -104,7 +105,10 @@ def parse_request(body: Any, kind: str, served_model: str, max_model_len: int, d
     options = body.get("stream_options") or {}
     return ParsedRequest(kind=kind, model=served_model, prompt=prompt, max_tokens=max_tokens,
                          finish_reason=finish_reason, stream=bool(body.get("stream", False)),
-                         include_usage=bool(isinstance(options, dict) and options.get("include_usage")), seed=seed)
+                         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
+                         continuous_usage=bool(isinstance(options, dict) and options.get("include_usage")
+                                               and options.get("continuous_usage_stats")),
+                         seed=seed)
 
 
 def new_request_id(kind: str) -> str:
@@ -138,14 +142,18 @@ class ResponseBuilder:
         return self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None}])
 
-    def token_chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def token_chunk(self, text: str, finish_reason: str | None,
+                    running_usage: tuple[int, int] | None = None) -> dict[str, Any]:
         if self.chat:
             choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = None
-        return self._envelope([choice])
+        chunk = self._envelope([choice])
+        if running_usage is not None:
+            chunk["usage"] = usage(*running_usage)
+        return chunk
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         chunk = self._envelope([])

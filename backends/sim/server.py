@@ -218,9 +218,12 @@ class SimServer:
                 await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
 
         await send(builder.role_chunk())
+        sent = 0
         while True:
             event = await queue.get()
-            await send(builder.token_chunk(event.text, parsed.finish_reason if event.finished else None))
+            sent += 1
+            running = (sim_request.num_prompt_tokens, sent) if parsed.continuous_usage else None
+            await send(builder.token_chunk(event.text, parsed.finish_reason if event.finished else None, running))
             if event.finished:
                 break
         if parsed.include_usage:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import re
 from collections.abc import Callable
 
 import httpx
 import pytest
+from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.procs import Proc, ProcessGroup, wait_until
@@ -26,6 +29,13 @@ def start_sim(procs: ProcessGroup, *args: str, name: str = "sim", timeout: float
 
     url = wait_until(listening, timeout, what="the sim worker to listen")
     return proc, url
+
+
+def png_data_url(width: int, height: int, color: tuple[int, int, int] = (200, 30, 30)) -> str:
+    """A real PNG of the given size as a base64 `data:` URL."""
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def read_metrics(base_url: str) -> dict[str, float]:

@@ -15,8 +15,7 @@ from backends.sim.presets import get_preset
 from backends.sim.scheduler import SimRequest
 from backends.sim.server import SimServer
 from backends.sim.tokens import chat_prompt
-from tests.sim.conftest import read_metrics, read_state
-from tests.sim.test_tokens_and_cost import png_data_url
+from tests.sim.conftest import png_data_url, read_metrics, read_state
 from tests.support.procs import wait_until
 
 pytestmark = pytest.mark.timeout(90)

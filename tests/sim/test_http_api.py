@@ -6,8 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.sim.conftest import read_metrics
-from tests.sim.test_tokens_and_cost import png_data_url
+from tests.sim.conftest import png_data_url, read_metrics
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,6 +41,11 @@ def test_streamed_and_plain_answers_parse_with_the_openai_client(worker):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
     assert chunks[-1].usage.prompt_tokens == prompt_tokens
     assert all(c.id == chunks[0].id for c in chunks)
+
+    continuous = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))  # vLLM's extension
+    assert [c.usage.completion_tokens for c in continuous if c.choices and c.choices[0].delta.content] == [1, 2, 3, 4]
 
     completion = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5)
     assert completion.usage.completion_tokens == 5 and completion.choices[0].text

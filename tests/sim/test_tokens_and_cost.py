@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import base64
-import io
-
 import pytest
-from PIL import Image
 
 from backends.sim.cost import StepWork, step_time_s
 from backends.sim.presets import get_preset
@@ -19,12 +15,7 @@ from backends.sim.tokens import (
     public_token_ids,
     text_token_ids,
 )
-
-
-def png_data_url(width: int, height: int, color: tuple[int, int, int] = (200, 30, 30)) -> str:
-    buf = io.BytesIO()
-    Image.new("RGB", (width, height), color).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+from tests.sim.conftest import png_data_url
 
 
 def test_text_estimate_is_deterministic_and_prefix_stable():
