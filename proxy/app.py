@@ -22,6 +22,7 @@ from proxy.monitor import HealthMonitor
 from proxy.registry import Registry
 from proxy.routing.base import PolicyDeps
 from proxy.routing.prefix_index import PrefixIndex
+from proxy.state import RedisState
 from proxy.upstream import Upstream
 
 log = logging.getLogger("kvroute.proxy")
@@ -32,6 +33,7 @@ DISPATCHER_KEY = web.AppKey("kvroute_dispatcher", Dispatcher)
 UPSTREAM_KEY = web.AppKey("kvroute_upstream", Upstream)
 MONITOR_KEY = web.AppKey("kvroute_monitor", HealthMonitor)
 METRICS_KEY = web.AppKey("kvroute_metrics", ProxyMetrics)
+STATE_KEY = web.AppKey("kvroute_state", RedisState)  # present only with state: redis://...
 
 
 def build_app(config: FleetConfig, *, policy: str | None = None) -> web.Application:
@@ -57,6 +59,8 @@ def build_app(config: FleetConfig, *, policy: str | None = None) -> web.Applicat
     app[UPSTREAM_KEY] = upstream
     app[MONITOR_KEY] = monitor
     app[METRICS_KEY] = metrics
+    if config.state.url != "memory":
+        app[STATE_KEY] = RedisState(registry, config.state.url)
 
     openai_api.add_routes(app, dispatcher, registry, config)
     control.add_routes(app, registry, monitor, dispatcher.queue_lengths)
@@ -67,12 +71,17 @@ def build_app(config: FleetConfig, *, policy: str | None = None) -> web.Applicat
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     upstream, monitor = app[UPSTREAM_KEY], app[MONITOR_KEY]
+    state = app.get(STATE_KEY)
     await upstream.start()
+    if state is not None:
+        await state.start()  # before serving: a restarted proxy has its fleet back at once
     monitor.start()
     for static in app[CONFIG_KEY].proxy.static_workers:
         monitor.spawn(monitor.add_static(static.url, static.models, static.engine))
     yield
     await monitor.stop()
+    if state is not None:
+        await state.stop()
     await upstream.close()
 
 

@@ -41,10 +41,6 @@ def run(args: argparse.Namespace) -> int:
     if args.policy and args.policy not in policy_names():
         print(f"kvroute proxy: unknown policy '{args.policy}'; known: {', '.join(policy_names())}", file=sys.stderr)
         return 2
-    if config.state.url != "memory":
-        print(f"kvroute proxy: state {config.state.url!r} is not supported by this build; use 'memory'",
-              file=sys.stderr)
-        return 2
     logging.basicConfig(level=config.proxy.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

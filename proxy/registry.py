@@ -83,6 +83,7 @@ class Worker:
         self.registered_at = time.time()
         self.registered_mono = now
         self.last_report: LoadReport | None = None
+        self.registration: WorkerRegistration | None = None  # as registered, for mirroring
         self.reported_state = "ready"
         self.drain_requested = False
         self.probe_failed = False
@@ -123,6 +124,11 @@ def worker_id_from_url(url: str) -> str:
     return (parts.netloc or url).replace(":", "-").replace("/", "-")
 
 
+# A membership or report change, for listeners such as proxy/state.py's Redis mirror:
+# (kind, worker, detail) with kind in register | remove | drain | report.
+Listener = Callable[[str, "Worker", Any], None]
+
+
 class Registry:
     """All workers, by id. Every mutation goes through a method so states stay consistent."""
 
@@ -130,6 +136,14 @@ class Registry:
         self.clock = clock
         self._workers: dict[str, Worker] = {}
         self._changed: asyncio.Future[None] | None = None
+        self._listeners: list[Listener] = []
+
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def _emit(self, kind: str, worker: Worker, detail: Any = None) -> None:
+        for listener in self._listeners:
+            listener(kind, worker, detail)
 
     # --- membership ---------------------------------------------------------------------
     def register(self, reg: WorkerRegistration, source: str = "api") -> Worker:
@@ -147,14 +161,17 @@ class Registry:
             worker.load = existing.load  # in-flight requests still finish against these counters
             if reg.kv_capacity_tokens:
                 worker.load.capacity_tokens = reg.kv_capacity_tokens
+        worker.registration = reg.model_copy(update={"worker_id": worker_id})
         self._workers[worker_id] = worker
         self.notify_changed()
+        self._emit("register", worker, worker.registration)
         return worker
 
     def remove(self, worker_id: str) -> Worker | None:
         worker = self._workers.pop(worker_id, None)
         if worker is not None:
             self.notify_changed()
+            self._emit("remove", worker)
         return worker
 
     def remove_url(self, url: str) -> Worker | None:
@@ -189,6 +206,7 @@ class Registry:
                                                  report.kv_capacity_tokens or None, report.prefix_cache_hit_rate),
                                    self.clock(), "report")
         self.notify_changed()
+        self._emit("report", worker, report)
         return True
 
     def record_scrape(self, worker: Worker, reading: EngineReading | None) -> None:
@@ -218,9 +236,10 @@ class Registry:
 
     def drain(self, worker_id: str) -> Worker | None:
         worker = self._workers.get(worker_id)
-        if worker is not None:
+        if worker is not None and not worker.drain_requested:
             worker.drain_requested = True
             self.notify_changed()
+            self._emit("drain", worker)
         return worker
 
     # --- questions ----------------------------------------------------------------------
