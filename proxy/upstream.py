@@ -80,7 +80,7 @@ class Upstream:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.connections_per_worker,
                                          keepalive_timeout=60, ttl_dns_cache=300)
         self._session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",),
+            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeouts.connect_s))
 
     async def close(self) -> None:

@@ -42,14 +42,19 @@ def test_a_streamed_answer_through_the_proxy_is_byte_identical_to_a_direct_one(f
         assert proxied.content.endswith(b"data: [DONE]\n\n") == stream
 
 
-def test_the_request_id_is_honoured_and_returned(fleet):
-    fleet.start_proxy()
-    fleet.start_sims(1)
+def test_the_request_id_is_honoured_and_each_decision_is_logged_with_its_scores(fleet, procs):
+    fleet.start_proxy("--log-level", "debug")
+    sims = fleet.start_sims(2)
     resp = fleet.http.post(fleet.url + "/v1/chat/completions", json=chat_body(False),
                            headers={"x-request-id": "my-id-42"})
     assert resp.headers["x-request-id"] == "my-id-42"
     generated = fleet.chat()
     assert len(generated.headers["x-request-id"]) >= 16
+    proxy_log = next(p for p in procs.procs if p.name == "proxy").log()
+    decision = next(line for line in proxy_log.splitlines() if "kvroute.routing.kv_aware" in line)
+    for sim in sims:
+        assert f"{sim.worker_id}: cost=" in decision
+    assert f"-> {resp.headers['x-kvroute-worker']}" in decision
 
 
 def test_the_openai_client_works_streaming_and_not(fleet):
