@@ -206,6 +206,7 @@ class Supervisor:
             return
         first = await self.read_load()
         registration = WorkerRegistration(
+            max_model_len=await self._max_model_len(),
             worker_id=self.args.worker_id, url=self.advertise_url, models=[self.launch.served_model_name],
             engine=self.adapter.running_engine,  # type: ignore[arg-type]
             kv_capacity_tokens=first.kv_capacity_tokens, gpus=self.launch.gpus,
@@ -213,6 +214,18 @@ class Supervisor:
         )
         self.reporter = ProxyReporter(self.args.proxy_url, registration, self.read_load, token=self.args.proxy_token)
         await self.reporter.start()
+
+    async def _max_model_len(self) -> int | None:
+        """vLLM lists max_model_len in /v1/models (LMDeploy does not): the proxy can then refuse
+        prompts that cannot fit before they reach the engine."""
+        assert self.session
+        try:
+            async with self.session.get(self.local_url + "/v1/models") as resp:
+                models = (await resp.json()).get("data") or [{}]
+            value = models[0].get("max_model_len")
+            return int(value) if value else None
+        except (TimeoutError, aiohttp.ClientError, ValueError, TypeError, AttributeError):
+            return None
 
     async def _drain(self) -> None:
         """Tell the proxy we drain, then wait (bounded) until the engine has nothing in flight."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.util
 import io
 import os
 import signal
@@ -24,7 +25,10 @@ from openai import AsyncOpenAI, OpenAI
 
 from tests.support.procs import KVROUTE, REPO, Proc, ProcessGroup, free_port, wait_http_ok, wait_until
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
+pytestmark = [
+    pytest.mark.vllm, pytest.mark.timeout(420),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed in this venv"),
+]
 
 MODEL_DIR = REPO / "models" / "tiny-qwen3-vl"
 MODEL = "tiny"
@@ -121,6 +125,7 @@ def test_workers_register_as_vllm_with_their_kv_capacity(fleet):
         assert view[worker_id]["engine"] == "vllm"
         assert view[worker_id]["url"].endswith(f":{port}")
         assert view[worker_id]["kv_capacity_tokens"] == 4096  # 32 blocks x 128 from vLLM's cache_config_info
+        assert view[worker_id]["max_model_len"] == 2048
 
 
 def test_chat_with_text(fleet):
