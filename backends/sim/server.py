@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from backends.reporter import Load, ProxyReporter
 from backends.sim.engine import SimEngine
 from backends.sim.metrics import CONTENT_TYPE, SimMetrics
 from backends.sim.openai_api import (
@@ -38,6 +39,7 @@ from backends.sim.openai_api import (
 from backends.sim.presets import Preset, get_preset
 from backends.sim.scheduler import SimRequest
 from backends.sim.tokens import chat_prompt, completion_prompt, public_token_ids
+from proxy.protocol import WorkerRegistration
 
 log = logging.getLogger("kvroute.sim.server")
 
@@ -217,25 +219,27 @@ class SimServer:
             if chunk is not None:
                 await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
 
-        await send(builder.role_chunk())
-        sent = 0
-        while True:
-            event = await queue.get()
-            sent += 1
-            running = (sim_request.num_prompt_tokens, sent) if parsed.continuous_usage else None
-            await send(builder.token_chunk(event.text, parsed.finish_reason if event.finished else None, running))
-            if event.finished:
-                break
-        if parsed.include_usage:
-            await send(builder.usage_chunk(sim_request.num_prompt_tokens, sim_request.num_output_tokens))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        try:
+            await send(builder.role_chunk())
+            sent = 0
+            while True:
+                event = await queue.get()
+                sent += 1
+                running = (sim_request.num_prompt_tokens, sent) if parsed.continuous_usage else None
+                await send(builder.token_chunk(event.text, parsed.finish_reason if event.finished else None, running))
+                if event.finished:
+                    break
+            if parsed.include_usage:
+                await send(builder.usage_chunk(sim_request.num_prompt_tokens, sim_request.num_output_tokens))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:  # the client left mid-stream: the caller aborts the request
+            log.debug("client of %s went away after %d tokens", sim_request.request_id, sim_request.num_output_tokens)
         return response
 
     # ---- load for the proxy --------------------------------------------------------------------
-    async def load_reading(self):  # -> backends.reporter.Load
-        from backends.reporter import Load
-
+    async def load_reading(self) -> Load:
+        """The LoadSource handed to ProxyReporter: read straight from the engine, no /metrics round trip."""
         sched = self.engine.scheduler
         return Load(kv_cache_usage=self.engine.kv.usage, num_running=len(sched.running),
                     num_waiting=len(sched.waiting), prefix_cache_hit_rate=sched.recent_prefix_hit_rate,
@@ -287,9 +291,6 @@ async def serve(args: argparse.Namespace, preset: Preset) -> int:
 
     reporter = None
     if args.proxy_url:
-        from backends.reporter import ProxyReporter
-        from proxy.protocol import WorkerRegistration
-
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         url = args.advertise_url or f"http://{host}:{port}"
         registration = WorkerRegistration(
