@@ -20,6 +20,8 @@ from backends.sim.scheduler import Scheduler, SimRequest, TokenEvent
 
 log = logging.getLogger("kvroute.sim.engine")
 
+MIN_SLEEP_S = 0.001
+
 
 class SimEngine:
     """A simulated vLLM engine: continuous batching over a paged KV cache, in simulated time.
@@ -59,7 +61,9 @@ class SimEngine:
 
     async def _sleep_until(self, sim_t: float) -> None:
         delay = (sim_t - self.now()) / self.time_scale
-        await asyncio.sleep(max(delay, 0.0))
+        # uvloop's timers tick in whole milliseconds: a shorter sleep would last ~1 ms and make a fast
+        # time scale fall behind. Below that we only yield, running at most 1 ms (wall) ahead.
+        await asyncio.sleep(delay if delay >= MIN_SLEEP_S else 0.0)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
