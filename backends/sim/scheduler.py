@@ -147,7 +147,21 @@ class Scheduler:
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
 
+    def _allocate_or_preempt(self, request: SimRequest, num_new: int, preempted: list[SimRequest]) -> bool:
+        """Room for a running request's next tokens, preempting from the back of the running list
+        (the most recently admitted first, as in vLLM) until it fits. False: it preempted itself."""
+        while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new):
+            needed = (self.kv.blocks_needed(request.num_computed_tokens + num_new)
+                      - len(self.kv.blocks_of(request.request_id)))
+            victim = self.running.pop()
+            self._preempt(victim, needed)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
     def schedule(self) -> ScheduledStep:
+        """Plan one step: running requests first (decode or next prefill chunk), then admissions."""
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[SimRequest, int]] = []
         preempted: list[SimRequest] = []
@@ -156,20 +170,11 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, num_new):
-                needed = (self.kv.blocks_needed(request.num_computed_tokens + num_new)
-                          - len(self.kv.blocks_of(request.request_id)))
-                victim = self.running.pop()  # the most recently admitted goes first, as in vLLM
-                self._preempt(victim, needed)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            else:
-                scheduled.append((request, num_new))
-                budget -= num_new
-                index += 1
-                continue
-            break  # the request preempted itself: nothing after it can be scheduled either
+            if not self._allocate_or_preempt(request, num_new, preempted):
+                break  # the request preempted itself: nothing after it can run either
+            scheduled.append((request, num_new))
+            budget -= num_new
+            index += 1
 
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
