@@ -109,12 +109,44 @@ def _registered_workers(proxy_url: str) -> int:
     return sum(1 for w in items if str(w.get("state", "ready")) == "ready")
 
 
-def start_kvroute(fleet: Fleet, policy: str, timeout: float = 60.0, extra: list[str] | None = None) -> RunningRouter:
+def kvroute_command(policy_spec: str, port: int, log_dir: Path) -> tuple[str, list[str]]:
+    """(policy, argv) for `kvroute proxy`. A spec "kv_aware@prefix_weight=0+hw=1.0" runs a variant
+    through bench/ablate.py: module knobs are patched in-process, config knobs go in a YAML file."""
+    from bench.ablate import CONFIG_KNOBS, MODULE_KNOBS
+
+    policy, _, knobs = policy_spec.partition("@")
+    patches, proxy_cfg = [], {}
+    for item in filter(None, knobs.split("+")):
+        key, _, value = item.partition("=")
+        if key in MODULE_KNOBS:
+            patches.append(f"{MODULE_KNOBS[key]}={value}")
+        elif key in CONFIG_KNOBS:
+            node = proxy_cfg
+            *parents, leaf = CONFIG_KNOBS[key]
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = float(value)
+        else:
+            raise ValueError(f"unknown knob {key!r} in {policy_spec!r}")
+    args = ["proxy", "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--log-level", "warning"]
+    if proxy_cfg:
+        import json
+
+        cfg = log_dir / f"proxy-{abs(hash(policy_spec))}.yaml"
+        cfg.parent.mkdir(parents=True, exist_ok=True)
+        cfg.write_text(json.dumps({"proxy": proxy_cfg}))  # JSON is YAML
+        args += ["--config", str(cfg)]
+    if patches:
+        return policy, [sys.executable, "-m", "bench.ablate", *patches, "--", *args]
+    return policy, [*KVROUTE, *args]
+
+
+def start_kvroute(fleet: Fleet, policy: str, timeout: float = 60.0) -> RunningRouter:
     """Start `kvroute proxy` on the fleet's proxy port and wait until every worker has registered."""
     url = fleet.proxy_url
-    log_path = fleet.log_dir / f"kvroute-{policy}-{fleet.proxy_port}.log"
-    args = [*KVROUTE, "proxy", "--host", "127.0.0.1", "--port", str(fleet.proxy_port), "--policy", policy,
-            "--log-level", "warning", *(extra or [])]
+    safe = policy.replace("@", "-").replace("+", "-").replace("=", "")
+    log_path = fleet.log_dir / f"kvroute-{safe}-{fleet.proxy_port}.log"
+    _, args = kvroute_command(policy, fleet.proxy_port, fleet.log_dir)
     popen = spawn(args, log_path)
     router = RunningRouter(f"kvroute:{policy}", url, popen, log_path, ProcessTree(popen.pid))
     try:

@@ -190,16 +190,19 @@ class LoadGenerator:
         res.latency_s = time.perf_counter() - t0
         return res
 
-    async def closed_loop(self, specs: Sequence[RequestSpec], concurrency: int) -> RunResult:
-        """`concurrency` clients, each sending its next request as soon as the last one ends."""
+    async def closed_loop(self, specs: Sequence[RequestSpec], concurrency: int,
+                          time_limit_s: float | None = None) -> RunResult:
+        """`concurrency` clients, each sending its next request as soon as the last one ends
+        (and no new one after `time_limit_s`)."""
         results: list[Result] = []
         next_index = 0
         started_at = time.time()
         run_t0 = time.perf_counter()
+        stop_at = run_t0 + time_limit_s if time_limit_s else float("inf")
 
         async def client(session: aiohttp.ClientSession) -> None:
             nonlocal next_index
-            while next_index < len(specs):
+            while next_index < len(specs) and time.perf_counter() < stop_at:
                 i = next_index
                 next_index += 1
                 results.append(await self._send(session, i, specs[i], run_t0))

@@ -25,19 +25,21 @@ ROUTES = (("kvroute", "kv_aware"), ("kvroute", "prefix"), ("kvroute", "least_req
           ("lmdeploy", "min_expected_latency"))
 LOADS = (0.5, 0.8, 0.95)
 TTFT_SLO_S = 1.0  # goodput: requests answered with TTFT <= 1 s (simulated seconds)
-PRESET = "h100-qwen3-vl-8b"
-# KV per worker is capped below the H100's ~340k tokens so KV pressure appears at request rates
-# that 2 CPU cores can drive through Python and Rust routers (documented in bench/README.md).
-KV_CAPACITY_TOKENS = 32_000
+PRESET = "h200-qwen3-vl-32b"
+# KV per worker is capped far below the H200's ~250k tokens so KV pressure appears at request and
+# token rates that 2 shared CPU cores can drive through Python and Rust routers without the routers
+# themselves running out of CPU (documented in bench/README.md).
+KV_CAPACITY_TOKENS = 24_000
 WORKERS = 4
 
 
-def fleet_workers(kind: str, workers: int, time_scale: float) -> list[SimWorkerSpec]:
-    extra = ["--kv-capacity-tokens", str(KV_CAPACITY_TOKENS)]
+def fleet_workers(kind: str, workers: int, time_scale: float, preset: str = PRESET,
+                  kv_tokens: int = KV_CAPACITY_TOKENS) -> list[SimWorkerSpec]:
+    extra = ["--kv-capacity-tokens", str(kv_tokens)]
     models = [MODEL_A] * workers
     if kind == "mix":  # a quarter of the fleet serves the second model
         models = [MODEL_A] * (workers - max(1, workers // 4)) + [MODEL_B] * max(1, workers // 4)
-    return [SimWorkerSpec(model=m, preset=PRESET, time_scale=time_scale, extra=extra) for m in models]
+    return [SimWorkerSpec(model=m, preset=preset, time_scale=time_scale, extra=extra) for m in models]
 
 
 def direct_targets(fleet: Fleet) -> dict[str, list[str]]:
@@ -102,11 +104,11 @@ def wait_idle(fleet: Fleet, timeout: float = 120.0) -> None:
     raise TimeoutError("workers did not drain between cells")
 
 
-def calibrate(fleet: Fleet, w: Workload, requests: int, concurrency: int) -> float:
+def calibrate(fleet: Fleet, w: Workload, requests: int, concurrency: int, time_limit_s: float) -> float:
     """Fleet capacity in requests per wall second for this workload: a closed loop through client-side
     round robin, with enough clients to fill every worker's KV cache."""
     specs = w.specs(1.0, salt=f"calibrate-{time.time()}", limit=requests)
-    run = asyncio.run(LoadGenerator(direct_targets(fleet)).closed_loop(specs, concurrency))
+    run = asyncio.run(LoadGenerator(direct_targets(fleet)).closed_loop(specs, concurrency, time_limit_s))
     wait_idle(fleet)
     # steady state only: the rate between the 20th and 80th percentile of completion times, so the
     # ramp-up and the tail of a short closed loop do not drag the estimate down
@@ -134,8 +136,10 @@ def run_cell(fleet: Fleet, w: Workload, kind: str, policy: str, rate: float, n: 
         target: Any = direct_targets(fleet) if router is None else router.url
         specs = w.specs(rate, salt=salt, limit=n)
         before = fleet.metrics()
+        cpu0 = router.tree.cpu_seconds() if router else 0.0
         sampler = KvSampler(fleet.urls)
         run = asyncio.run(_open_loop_with_sampler(target, specs, sampler))
+        router_cpu = (router.tree.cpu_seconds() - cpu0) / run.wall_s if router else None
         after = fleet.metrics()
     finally:
         if router:
@@ -154,7 +158,8 @@ def run_cell(fleet: Fleet, w: Workload, kind: str, policy: str, rate: float, n: 
     spread, peak = sampler.spread()
     row.update(route="direct" if router is None else f"{kind}:{policy}", preemptions=int(delta("vllm:num_preemptions_total")),
                prefix_hit=delta("vllm:prefix_cache_hits_total") / queries if queries else None,
-               kv_spread=spread, kv_peak=peak, kv_series=sampler.samples,
+               kv_spread=spread, kv_peak=peak, kv_series=sampler.samples, router_cpu=router_cpu,
+               chunks_per_wall_s=sum(r.completion_tokens for r in run.results) / (run.wall_s / time_scale),
                ttfts=[r.ttft_s for r in run.results if r.ok and r.ttft_s is not None])
     return row
 
@@ -170,10 +175,11 @@ def render(sections: list[dict[str, Any]], header: str) -> str:
                           fmt(r["req_per_s"], digits=2), fmt(r["output_tok_per_s"], digits=0),
                           fmt(100 * r["goodput_frac"], "%", 0), r["preemptions"],
                           fmt(None if r["prefix_hit"] is None else 100 * r["prefix_hit"], "%", 0),
-                          fmt(r["kv_spread"], digits=2), fmt(r["kv_peak"], digits=2)])
+                          fmt(r["kv_spread"], digits=2), fmt(r["kv_peak"], digits=2),
+                          fmt(None if r["router_cpu"] is None else 100 * r["router_cpu"], "%", 0)])
         out.append(md_table(["load", "route", "ok", "rejected", "failed", "TTFT p50 ms", "TTFT p99 ms",
                              "e2e p99 ms", "req/s", "out tok/s", "goodput", "preempt", "prefix hit",
-                             "KV spread", "KV peak"], table))
+                             "KV spread", "KV peak", "router CPU"], table))
         out.append("")
         for png in sec.get("plots", []):
             out.append(f"![{png}]({png})")
@@ -187,10 +193,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routes", default=",".join(f"{k}:{v}" for k, v in ROUTES),
                    help="comma-separated kind:policy (kind kvroute, direct or a peer name)")
     p.add_argument("--workers", type=int, default=WORKERS)
-    p.add_argument("--duration", type=float, default=16.0, help="simulated seconds of arrivals per cell")
-    p.add_argument("--time-scale", type=float, default=2.5, help="sim time scale (results are in simulated time)")
+    p.add_argument("--duration", type=float, default=10.0, help="simulated seconds of arrivals per cell")
+    p.add_argument("--time-scale", type=float, default=1.0, help="sim time scale (results are in simulated time)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--preset", default=PRESET, help="sim preset of every worker")
+    p.add_argument("--kv-tokens", type=int, default=KV_CAPACITY_TOKENS, help="KV capacity per worker (tokens)")
     p.add_argument("--calibrate-requests", type=int, default=600)
+    p.add_argument("--calibrate-seconds", type=float, default=15.0, help="wall-time cap of the calibration")
     p.add_argument("--calibrate-concurrency", type=int, default=64, help="closed-loop clients per worker")
     p.add_argument("--out-dir", type=Path, default=None)
     p.add_argument("--name", default="quality")
@@ -204,8 +213,10 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.time()
     for kind in args.workloads.split(","):
         w = load_or_generate(kind, args.seed, 2000)
-        with Fleet(log_dir / kind, fleet_workers(kind, args.workers, args.time_scale)) as fleet:
-            capacity_wall = calibrate(fleet, w, args.calibrate_requests, args.calibrate_concurrency * args.workers)
+        with Fleet(log_dir / kind, fleet_workers(kind, args.workers, args.time_scale, args.preset,
+                                                 args.kv_tokens)) as fleet:
+            capacity_wall = calibrate(fleet, w, args.calibrate_requests, args.calibrate_concurrency * args.workers,
+                                      args.calibrate_seconds)
             capacity = capacity_wall / args.time_scale  # requests per simulated second
             n = min(len(w.requests), max(30, int(capacity * max(loads) * args.duration)))
             print(f"[quality] {kind}: capacity {capacity:.2f} req/s (simulated); {n} requests per cell", flush=True)
@@ -220,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
                     print(f"[quality]   {int(load * 100)}% {row['route']}: ok={row['ok']} rej={row['rejected']} "
                           f"fail={row['failed']} ttft p99={ms(row['ttft_p99'], digits=0)}ms "
                           f"goodput={100 * row['goodput_frac']:.0f}% preempt={row['preemptions']} kv peak={fmt(row['kv_peak'], digits=2)} "
-                          f"hit={fmt(row['prefix_hit'], digits=2)}", flush=True)
+                          f"hit={fmt(row['prefix_hit'], digits=2)} router cpu={fmt(row['router_cpu'], digits=2)} "
+                          f"chunks/s={row['chunks_per_wall_s']:.0f}", flush=True)
         plots = []
         for load in loads:
             png = results_path(f"{args.name}-{kind}-{int(load * 100)}-ttft-cdf", ".png", args.out_dir)
@@ -236,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
         plots.append(png.name)
         sections.append({"kind": kind, "capacity": capacity, "n": n, "rows": rows, "plots": plots})
     header = (f"# Routing quality\n\n{environment_note()}; run took {time.time() - t_start:.0f} s.\n\n"
-              f"Fleet: {args.workers} sim workers, preset {PRESET}, KV capped at {KV_CAPACITY_TOKENS} tokens "
+              f"Fleet: {args.workers} sim workers, preset {args.preset}, KV capped at {args.kv_tokens} tokens "
               f"per worker, time scale {args.time_scale} (all times below are simulated). Offered load = "
               f"fraction of the capacity measured by a closed-loop calibration through client-side round "
               f"robin. Goodput = share of requests with TTFT <= {TTFT_SLO_S:.0f} s. KV spread = time-mean of "

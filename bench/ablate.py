@@ -1,0 +1,38 @@
+"""Run `kvroute` with routing constants replaced, for ablation runs of a policy's terms.
+
+Owns only the launcher: `python -m bench.ablate MODULE.ATTR=VALUE ... -- proxy --port ...` sets
+the attributes, then runs the normal CLI. proxy/** is not modified; the bench measures variants.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import sys
+
+# short knob names used in route specs like "kv_aware@prefix_weight=0+hw=1.0" (see fleet.py)
+MODULE_KNOBS = {
+    "prefix_weight": "proxy.routing.kv_aware.PREFIX_WEIGHT",
+    "queue_weight": "proxy.routing.kv_aware.QUEUE_WEIGHT",
+    "prefix_saturation": "proxy.routing.kv_aware.PREFIX_SATURATION_TOKENS",
+    "forget_after": "proxy.loadview.DISPATCH_FORGET_AFTER_S",
+}
+CONFIG_KNOBS = {"hw": ("kv_high_water",), "queue_wait": ("queue", "max_wait_s"), "queue_len": ("queue", "max_length")}
+
+
+def main(argv: list[str]) -> int:
+    split = argv.index("--") if "--" in argv else len(argv)
+    for assignment in argv[:split]:
+        target, _, value = assignment.partition("=")
+        module_name, _, attr = target.rpartition(".")
+        module = importlib.import_module(module_name)
+        if not hasattr(module, attr):
+            raise SystemExit(f"{module_name} has no attribute {attr}")
+        setattr(module, attr, ast.literal_eval(value))
+    from proxy.cli import main as cli_main
+
+    return cli_main(argv[split + 1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
