@@ -180,7 +180,8 @@ class FleetManager:
                               # Without a worker token the proxy accepts only the admin token from workers too.
                               worker_token=self.desired.proxy.worker_token or self.desired.proxy.admin_token,
                               log_level=self.log_level)
-        r = Replica(launch, index, generation, spec_fingerprint(m), placement, self.restart_policy)
+        r = Replica(launch, index, generation, spec_fingerprint(m), placement, self.restart_policy,
+                    on_crash=lambda dead: self.control.deregister(dead.worker_id))
         self.replicas[wid] = r
         r.start()
         log.info("starting %s (gpus %s)", wid, gpus if gpus is not None else "from placement")
@@ -223,7 +224,7 @@ class FleetManager:
             else:
                 for r in list(self.replicas.values()):
                     rec = workers.get(r.worker_id)
-                    r.observe_registry(record_state(rec) if rec else None)
+                    r.observe_registry(record_state(rec) if rec else None, rec.get("url") if rec else None)
             tick, self._tick = self._tick, asyncio.Event()
             tick.set()
             await asyncio.sleep(REGISTRY_POLL_S)

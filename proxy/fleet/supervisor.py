@@ -42,7 +42,8 @@ class Replica:
     """A desired worker and the supervision loop that keeps its process alive."""
 
     def __init__(self, launch: WorkerLaunch, index: int, generation: int, fingerprint: str,
-                 placement: Placement, policy: RestartPolicy) -> None:
+                 placement: Placement, policy: RestartPolicy,
+                 on_crash: Callable[[Replica], Awaitable[Any]] | None = None) -> None:
         self.launch = launch
         self.worker_id = launch.worker_id
         self.model_name = launch.model.name
@@ -51,6 +52,7 @@ class Replica:
         self.fingerprint = fingerprint
         self.placement = placement
         self.policy = policy
+        self.on_crash = on_crash  # e.g. tell the proxy to forget the dead process at once
         self.state = PENDING
         self.registered_state: str | None = None  # what the proxy's registry says, fed by the fleet manager
         self.restarts = 0
@@ -76,8 +78,14 @@ class Replica:
     def ready(self) -> bool:
         return self.state == READY
 
-    def observe_registry(self, registered_state: str | None) -> None:
-        """Fold in what the proxy's registry says about this worker (None: not registered)."""
+    def observe_registry(self, registered_state: str | None, registered_url: str | None = None) -> None:
+        """Fold in what the proxy's registry says about this worker (None: not registered).
+
+        Only a registration at the current process's URL counts: after a crash the proxy may still
+        hold the dead process's entry, under the same id, for a moment.
+        """
+        if registered_url is not None and self.handle is not None and registered_url.rstrip("/") != self.handle.url:
+            registered_state = None
         self.registered_state = registered_state
         if self.state in (STARTING, READY) and self.handle is not None:
             state = READY if registered_state == "ready" else STARTING
@@ -109,6 +117,9 @@ class Replica:
                 self.last_exit_code = code
             if self._stopping:
                 break
+            if self.on_crash is not None:
+                with contextlib.suppress(Exception):
+                    await self.on_crash(self)
             if not await self._after_crash(code):
                 return
 
