@@ -80,10 +80,11 @@ def test_sigkilled_worker_is_back_and_serving_and_a_crash_loop_ends_failed(fleet
         r = httpx.post(f"{fleet.url}/v1/chat/completions", timeout=10,
                        json={"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
         (now,) = [x for x in fleet.fleet()["replicas"] if x["worker_id"] == "tiny-0"]
-        return r.status_code == 200 and now["pid"] != before["pid"] and now["restarts"] == 1 and now
+        ok = r.status_code == 200 and now["pid"] != before["pid"] and now["restarts"] == 1 and now["state"] == "ready"
+        return now if ok else None
     now = wait_until(serving_again, 30, 0.2, "the killed worker to be back and serving")
-    if now["state"] == "ready":  # ready means the new process registered, not the dead one's leftover entry
-        assert fleet.workers()["tiny-0"]["url"] == now["url"]
+    # Ready means the new process registered, not that the dead one's entry lingers in the proxy.
+    assert fleet.workers()["tiny-0"]["url"] == now["url"]
 
     # A worker that cannot start (a bad engine flag) is retried with backoff, then marked failed.
     def broken_failed() -> dict | None:
