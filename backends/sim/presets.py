@@ -26,8 +26,12 @@ Constants and sources:
 
 `cpu-tiny` is not a roofline: it mimics the 3.3 M-parameter Qwen3-VL built by `kvroute make-tiny-model`
 on vLLM CPU with 2 cores (shared/notes/engines.md): 1000-1500 output tok/s aggregate at 8-12 concurrent
-requests, KV 4096 tokens in blocks of 128, TTFT a few tens of ms. With 6 ms per step plus 0.15 ms per
-sequence, 10 decoding sequences give 10 / 7.5 ms = 1333 tok/s, one alone ~160 tok/s.
+requests, KV 4096 tokens in blocks of 128, TTFT a few tens of ms. With 6 ms per step, 0.15 ms per
+sequence and the weights read once per step (0.3 ms), 10 decoding sequences give 10 / 8.2 ms = 1230 tok/s,
+one alone ~150 tok/s; a 200-token prompt's first token comes after ~20 ms.
+
+Derived KV capacities: h100-qwen3-vl-8b 342,068 tokens (144 KiB each), h200-qwen3-vl-32b 214,157 tokens
+(256 KiB each); one decode step alone takes ~8.6 ms and ~19.5 ms respectively (1000 tokens of context).
 """
 
 from __future__ import annotations
