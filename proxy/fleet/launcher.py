@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -23,9 +24,16 @@ def spec_fingerprint(model: ModelConfig) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
 
 
+_UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
+
+
 def worker_id_for(model: str, index: int, generation: int) -> str:
-    """`qwen-0`; after a spec change the replacement is `qwen-0-g1`, so old and new can coexist while rolling."""
-    return f"{model}-{index}" if generation == 0 else f"{model}-{index}-g{generation}"
+    """`qwen-0`; after a spec change the replacement is `qwen-0-g1`, so old and new can coexist while rolling.
+
+    The id goes into URL paths (/workers/{id}) and file names: "Qwen/Qwen3-VL-8B" becomes "Qwen-Qwen3-VL-8B".
+    """
+    base = _UNSAFE_ID_CHARS.sub("-", model).strip("-") or "model"
+    return f"{base}-{index}" if generation == 0 else f"{base}-{index}-g{generation}"
 
 
 @dataclass
