@@ -139,6 +139,10 @@ def test_gpus_are_assigned_and_stop_leaves_no_process(fleets):
             env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
         assert env[b"CUDA_VISIBLE_DEVICES"].decode() == ",".join(r["gpus"])
 
+    too_many = cli("scale", "tp2", "3", "--proxy", fleet.url)  # 6 GPUs wanted, 4 visible
+    assert too_many.returncode == 1 and "needs 6 GPUs (tp2: 3 x 2) but 4 are available" in too_many.stderr
+    assert len(fleet.fleet()["replicas"]) == 2
+
     pids = {r["pid"] for r in replicas.values()}
     os.kill(fleet.proc.pid, signal.SIGTERM)  # as Ctrl-C / systemd would
     assert fleet.proc.popen.wait(60) == 0
