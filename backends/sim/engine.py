@@ -21,6 +21,7 @@ from backends.sim.scheduler import Scheduler, SimRequest, TokenEvent
 log = logging.getLogger("kvroute.sim.engine")
 
 MIN_SLEEP_S = 0.001
+LAG_WARN_EVERY_S = 30.0
 
 
 class SimEngine:
@@ -47,6 +48,8 @@ class SimEngine:
         # simulated seconds lost because the host could not keep up between back-to-back steps;
         # benchmarks report it (a large value means the figures are the host's, not the model's)
         self.lag_sim_s = 0.0
+        self._lag_warned_at = time.monotonic()
+        self._lag_mark = (0.0, 0.0)  # (busy, lag) at the last check
         self.finish_listeners: list[Callable[[SimRequest], None]] = []
         self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
         self._t0 = time.monotonic()
@@ -95,6 +98,20 @@ class SimEngine:
         self.stalled = stalled
         self._wake.set()
 
+    def _note_lag(self, lag: float) -> None:
+        self.lag_sim_s += lag
+        wall = time.monotonic()
+        if wall - self._lag_warned_at < LAG_WARN_EVERY_S:
+            return
+        recent_busy = self.busy_sim_s - self._lag_mark[0]
+        recent_lag = self.lag_sim_s - self._lag_mark[1]
+        if recent_busy > 0 and recent_lag / recent_busy > 0.2:
+            log.warning("the host is not keeping up with --time-scale %g: %.0f%% of simulated time lost in the "
+                        "last %.0fs; latencies now reflect the host", self.time_scale,
+                        100 * recent_lag / recent_busy, wall - self._lag_warned_at)
+        self._lag_warned_at = wall
+        self._lag_mark = (self.busy_sim_s, self.lag_sim_s)
+
     # ---- the loop ------------------------------------------------------------------------------
     async def _run(self) -> None:
         back_to_back = False
@@ -114,7 +131,7 @@ class SimEngine:
             duration = step_time_s(self.preset, step.work)
             start = max(self._sim_clock, self.now())
             if back_to_back:
-                self.lag_sim_s += start - self._sim_clock
+                self._note_lag(start - self._sim_clock)
             back_to_back = True
             end = start + duration
             await self._sleep_until(end)

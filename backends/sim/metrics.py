@@ -57,6 +57,12 @@ class _EngineStateCollector(Collector):
         yield self._counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                             sched.prefix_hit_tokens)
         yield self._counter("vllm:request_success", "Count of successfully processed requests.", sched.num_finished)
+        # not vLLM's: how much simulated time the host lost (a benchmark with a large ratio of lag to
+        # busy time measured the host, not the model)
+        yield self._counter("kvroute:sim_busy_seconds", "Simulated seconds the engine spent in steps.",
+                            self.engine.busy_sim_s)
+        yield self._counter("kvroute:sim_lag_seconds", "Simulated seconds lost because the host fell behind.",
+                            self.engine.lag_sim_s)
         info = InfoMetricFamily("vllm:cache_config", "Information of the LLMEngine CacheConfig")
         info.add_metric([], {"block_size": str(kv.block_size), "num_gpu_blocks": str(kv.num_blocks),
                              "enable_prefix_caching": str(kv.enable_prefix_caching),

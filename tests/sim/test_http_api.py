@@ -89,7 +89,7 @@ def test_health_tokenize_and_metrics_names(worker):
     for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
-                 "vllm:cache_config_info"):
+                 "vllm:cache_config_info", "kvroute:sim_lag_seconds_total", "kvroute:sim_busy_seconds_total"):
         assert name in metrics, name
     text = httpx.get(f"{worker}/metrics").text
     assert 'num_gpu_blocks="32"' in text and 'block_size="128"' in text
