@@ -91,9 +91,11 @@ def test_proxy_configmap_is_a_valid_fleet_config():
 
 def test_proxy_deployment_runs_a_real_command():
     (dep,) = [d for d in by_kind("Deployment") if d["metadata"]["name"] == "kvroute-proxy"]
-    if "proxy" not in build_parser()._subparsers._group_actions[0].choices:  # type: ignore[union-attr]
-        pytest.skip("`kvroute proxy` is not built yet")
-    assert _parse_kvroute(_container_argv(dep)).command == "proxy"
+    args = _parse_kvroute(_container_argv(dep))
+    assert args.command == "proxy" and args.config == "/etc/kvroute/config.yaml"
+    (cm,) = by_kind("ConfigMap")
+    mounts = dep["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+    assert any(v["mountPath"] == "/etc/kvroute" for v in mounts) and "config.yaml" in cm["data"]
 
 
 def _unit(name: str) -> configparser.ConfigParser:
