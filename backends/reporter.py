@@ -77,7 +77,7 @@ class ProxyReporter:
                         return
                     text = await resp.text()
                     log.warning("proxy refused registration (%s): %s", resp.status, text[:200])
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 log.info("proxy %s not reachable yet (%s); retrying in %.1fs", self.proxy_url, exc, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
@@ -114,7 +114,7 @@ class ProxyReporter:
                     log.warning("proxy no longer knows %s; registering again", self.worker_id)
                     self.registered.clear()
                     await self._register()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 log.debug("report failed: %s", exc)
             except Exception:  # a broken load source must not stop the reports for good
                 log.exception("load source failed")
@@ -126,7 +126,7 @@ class ProxyReporter:
         if self.worker_id and self._session and self.registered.is_set():
             try:
                 await self._send_report()
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (aiohttp.ClientError, TimeoutError):
                 pass
 
     async def stop(self, deregister: bool = True) -> None:
@@ -140,7 +140,7 @@ class ProxyReporter:
             try:
                 async with self._session.delete(f"{self.proxy_url}/workers/{self.worker_id}") as resp:
                     log.info("deregistered %s (%s)", self.worker_id, resp.status)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 log.info("could not deregister: %s", exc)
         if self._session:
             await self._session.close()
