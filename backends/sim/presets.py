@@ -26,9 +26,11 @@ Constants and sources:
 
 `cpu-tiny` is not a roofline: it mimics the 3.3 M-parameter Qwen3-VL built by `kvroute make-tiny-model`
 on vLLM CPU with 2 cores (shared/notes/engines.md): 1000-1500 output tok/s aggregate at 8-12 concurrent
-requests, KV 4096 tokens in blocks of 128, TTFT a few tens of ms. With 6 ms per step, 0.15 ms per
-sequence and the weights read once per step (0.3 ms), 10 decoding sequences give 10 / 8.2 ms = 1230 tok/s,
-one alone ~150 tok/s; a 200-token prompt's first token comes after ~20 ms.
+requests, KV 4096 tokens in blocks of 128, TTFT a few tens of ms. The step constants were fitted to
+`bench/sim_vs_vllm_cpu.py` against the real worker (decode step ~5.0 ms + ~0.35 ms per sequence there):
+4.5 ms per step, 0.3 ms per sequence and the weights read once per step (0.3 ms) give one sequence
+~195 tok/s, 8 decoding sequences 8 / 7.5 ms = ~1070 tok/s, 12 about 1360 tok/s; a 200-token prompt's
+first token comes after ~15 ms.
 
 Derived KV capacities: h100-qwen3-vl-8b 342,068 tokens (144 KiB each), h200-qwen3-vl-32b 214,157 tokens
 (256 KiB each); one decode step alone takes ~8.6 ms and ~19.5 ms respectively (1000 tokens of context).
@@ -114,7 +116,7 @@ def builtin_presets() -> dict[str, Preset]:
             kv_bytes_per_token=_kv_bytes_per_token(4, 2, 64), num_layers=4, hidden_size=128,
             # effective CPU numbers: 100 GFLOP/s and 20 GB/s put a 500-token prefill near 40 ms
             hbm_bandwidth=20e9, peak_flops=100e9, mfu=1.0, bw_efficiency=1.0,
-            step_overhead_s=0.006, per_seq_overhead_s=0.00015,
+            step_overhead_s=0.0045, per_seq_overhead_s=0.0003,
         ),
     ]
     return {p.name: p for p in presets}
