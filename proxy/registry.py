@@ -152,7 +152,7 @@ class Registry:
         url = reg.url.rstrip("/")
         for other in list(self._workers.values()):  # one URL is one worker, whatever it was called
             if other.url == url and other.worker_id != worker_id:
-                del self._workers[other.worker_id]
+                self.remove(other.worker_id)
         existing = self._workers.get(worker_id)
         worker = Worker(worker_id, url, reg.models, engine=reg.engine, capacity_tokens=reg.kv_capacity_tokens,
                         max_model_len=reg.max_model_len, reports=reg.reports, labels=reg.labels, source=source,
