@@ -17,6 +17,7 @@ from proxy.api import control, ops
 from proxy.api import openai as openai_api
 from proxy.config import FleetConfig
 from proxy.dispatch import Dispatcher, PolicySet
+from proxy.errors import error_response
 from proxy.metrics import ProxyMetrics
 from proxy.monitor import HealthMonitor
 from proxy.registry import Registry
@@ -52,7 +53,7 @@ def build_app(config: FleetConfig, *, policy: str | None = None) -> web.Applicat
 
     # aiohttp refuses bodies over client_max_size while reading; dispatch turns that into a 413.
     app = web.Application(client_max_size=proxy_cfg.max_body_bytes,
-                          middlewares=[control.auth_middleware(proxy_cfg)])
+                          middlewares=[openai_errors, control.auth_middleware(proxy_cfg)])
     app[REGISTRY_KEY] = registry
     app[CONFIG_KEY] = config
     app[DISPATCHER_KEY] = dispatcher
@@ -67,6 +68,23 @@ def build_app(config: FleetConfig, *, policy: str | None = None) -> web.Applicat
     ops.add_routes(app, registry, metrics)
     app.cleanup_ctx.append(_lifecycle)
     return app
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Unknown paths, wrong methods and unexpected failures also answer in OpenAI's error body."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        err_type = "invalid_request_error" if exc.status < 500 else "server_error"
+        return error_response(exc.status, exc.reason, err_type, code=exc.reason.lower().replace(" ", "_"),
+                              headers={k: v for k, v in exc.headers.items() if k.lower() == "allow"})
+    except Exception:
+        log.exception("unhandled error serving %s %s", request.method, request.path)
+        return error_response(500, "The proxy failed to handle this request.", "server_error",
+                              code="internal_error")
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:

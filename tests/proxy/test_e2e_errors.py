@@ -54,6 +54,12 @@ def test_each_error_case_answers_with_the_right_status_and_openai_body(fleet):
     assert nobody.status_code == 503 and error_of(nobody)["code"] == "no_healthy_worker"
     assert "retry-after" in nobody.headers
 
+    no_route = fleet.http.get(fleet.url + "/v1/nothing-here")
+    assert no_route.status_code == 404 and error_of(no_route)["code"] == "not_found"
+    wrong_method = fleet.http.get(url)
+    assert wrong_method.status_code == 405 and "POST" in wrong_method.headers["allow"]
+    assert error_of(wrong_method)["type"] == "invalid_request_error"
+
     for resp in (unknown, malformed, missing, too_big, nobody):
         assert resp.headers["content-type"].startswith("application/json")
         assert resp.headers["x-request-id"]
