@@ -37,10 +37,13 @@ def _cmdline_pids(needle: str) -> list[int]:
 
 
 @pytest.fixture
-def ray_cluster(procs):
+def ray_cluster(procs, monkeypatch):
     """A one-node Ray cluster with 4 `fake_gpu`, every port free-picked; stopped by PID at the end."""
     if not Path(RAY).exists():
         pytest.skip("ray is not installed (the `ray` extra)")
+    # Ray swaps 127.0.0.1 for the machine's network address unless clusters are "unsupported" (its
+    # single-machine mode, as on macOS); tests keep all traffic, Ray's own included, on loopback.
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     # Ray puts unix sockets under its temp dir: keep the path short.
     temp_dir = tempfile.mkdtemp(prefix="kvr-ray-", dir="/tmp")
     port = free_port()
@@ -98,7 +101,7 @@ def test_ray_placement_runs_each_replica_as_an_actor_holding_its_gpus(procs, tmp
         replicas = fleet.fleet()["replicas"]
         assert {r["placement"] for r in replicas} == {"ray"}
         assert [r["gpus"] for r in replicas] == [["2 fake_gpu"], ["2 fake_gpu"]]
-        # Each worker registered at its node's address, not at the proxy's loopback.
+        # Each worker registered at its node's address (the actor's Ray node, loopback in this test).
         workers = fleet.workers()
         for r in replicas:
             assert workers[r["worker_id"]]["url"] == r["url"] and r["url"].startswith(f"http://{r['node']}:")
