@@ -99,8 +99,10 @@ class Upstream:
                       stream: bool) -> ForwardResult | RetryableFailure:
         """Send `body` to `worker` and answer `client`; or say why another worker should try."""
         timeouts = self.timeouts
+        # One deadline for the worker's headers and, when streaming, its first chunk.
+        first_byte_deadline = asyncio.get_running_loop().time() + timeouts.first_byte_s
         try:
-            async with asyncio.timeout(timeouts.first_byte_s):
+            async with asyncio.timeout_at(first_byte_deadline):
                 upstream = await self.session.post(worker.url + path, data=body, headers=headers)
         except TimeoutError:
             return RetryableFailure("first_byte_timeout", f"no answer within {timeouts.first_byte_s}s")
@@ -123,7 +125,15 @@ class Upstream:
                 done = True
                 return ForwardResult(web.Response(status=status, body=data, headers=headers), status,
                                      time.monotonic())
-            result = await self._relay_stream(upstream, client, status, headers)
+            # The client's response starts with the worker's first chunk, not its headers: a worker
+            # that dies between the two (engines send headers at once) is still retried elsewhere.
+            try:
+                async with asyncio.timeout_at(first_byte_deadline):
+                    first = await upstream.content.readany()
+            except _UPSTREAM_ERRORS as exc:
+                reason = "first_byte_timeout" if isinstance(exc, TimeoutError) else "broken_before_first_chunk"
+                return RetryableFailure(reason, f"{type(exc).__name__} before the first chunk")
+            result = await self._relay_stream(upstream, client, status, headers, first)
             done = not (result.worker_failed or result.client_gone)
             return result
         finally:
@@ -139,17 +149,19 @@ class Upstream:
             return await upstream.read()
 
     async def _relay_stream(self, upstream: aiohttp.ClientResponse, client: web.Request, status: int,
-                            headers: CIMultiDict[str]) -> ForwardResult:
+                            headers: CIMultiDict[str], first: bytes) -> ForwardResult:
         response = web.StreamResponse(status=status, headers=headers)
         try:
             await response.prepare(client)
+            if first:
+                await response.write(first)
         except ConnectionResetError:
             return ForwardResult(response, status, None, client_gone=True)
-        first_byte_at: float | None = None
-        ends_clean = True
+        first_byte_at = time.monotonic()
+        ends_clean = first.endswith(b"\n\n") or not first
         idle_s = self.timeouts.idle_s
         content = upstream.content
-        while True:
+        while first:
             try:
                 async with asyncio.timeout(idle_s):
                     chunk = await content.readany()
@@ -164,8 +176,6 @@ class Upstream:
                 await response.write(chunk)
             except ConnectionResetError:
                 return ForwardResult(response, status, first_byte_at, client_gone=True)
-            if first_byte_at is None:
-                first_byte_at = time.monotonic()
             ends_clean = chunk.endswith(b"\n\n")
         try:
             await response.write_eof()

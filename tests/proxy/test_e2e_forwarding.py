@@ -180,3 +180,15 @@ def test_a_sim_that_stops_deregisters_and_a_drained_worker_takes_no_new_work(fle
     second.proc.signal(signal.SIGTERM)
     fleet.wait_workers(lambda ws: [w["worker_id"] for w in ws] == [first.worker_id], what="deregistration")
     assert fleet.chat().status_code == 503
+
+
+def test_a_worker_that_crashes_on_arrival_is_invisible_to_a_streaming_client(fleet):
+    fleet.start_proxy("--policy", "round_robin")  # deterministic: the crashing worker gets its turn
+    (crashing,) = fleet.start_sims(1, extra=("--crash-after", "0"), prefix="crashing")
+    (good,) = fleet.start_sims(1, prefix="good")
+    for i in range(6):
+        resp = fleet.http.post(fleet.url + "/v1/chat/completions", json={**chat_body(True), "seed": i})
+        assert resp.status_code == 200
+        assert resp.headers["x-kvroute-worker"] == good.worker_id
+        assert sse_events(resp.content)[-1] == b"[DONE]" and b'"error"' not in resp.content
+    assert not crashing.proc.alive()  # it did get (and drop) a request
