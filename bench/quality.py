@@ -130,11 +130,15 @@ async def _open_loop_with_sampler(target: Any, specs: list, sampler: KvSampler):
 
 def run_cell(fleet: Fleet, w: Workload, kind: str, policy: str, rate: float, n: int, time_scale: float,
              salt: str) -> dict[str, Any]:
+    t0 = time.monotonic()
     wait_idle(fleet)
+    t_idle = time.monotonic()
     router = None if kind == "direct" else start_router(kind, policy, fleet)
+    t_router = time.monotonic()
     try:
         target: Any = direct_targets(fleet) if router is None else router.url
         specs = w.specs(rate, salt=salt, limit=n)
+        t_specs = time.monotonic()
         before = fleet.metrics()
         cpu0 = router.tree.cpu_seconds() if router else 0.0
         sampler = KvSampler(fleet.urls)
@@ -160,7 +164,9 @@ def run_cell(fleet: Fleet, w: Workload, kind: str, policy: str, rate: float, n: 
                prefix_hit=delta("vllm:prefix_cache_hits_total") / queries if queries else None,
                kv_spread=spread, kv_peak=peak, kv_series=sampler.samples, router_cpu=router_cpu,
                chunks_per_wall_s=sum(r.completion_tokens for r in run.results) / (run.wall_s / time_scale),
-               ttfts=[r.ttft_s for r in run.results if r.ok and r.ttft_s is not None])
+               ttfts=[r.ttft_s for r in run.results if r.ok and r.ttft_s is not None],
+               phases_s={"idle": t_idle - t0, "router_start": t_router - t_idle, "specs": t_specs - t_router,
+                         "run": run.wall_s / time_scale})
     return row
 
 
@@ -232,7 +238,8 @@ def run(args: argparse.Namespace) -> int:
                           f"fail={row['failed']} ttft p99={ms(row['ttft_p99'], digits=0)}ms "
                           f"goodput={100 * row['goodput_frac']:.0f}% preempt={row['preemptions']} kv peak={fmt(row['kv_peak'], digits=2)} "
                           f"hit={fmt(row['prefix_hit'], digits=2)} router cpu={fmt(row['router_cpu'], digits=2)} "
-                          f"chunks/s={row['chunks_per_wall_s']:.0f}", flush=True)
+                          f"chunks/s={row['chunks_per_wall_s']:.0f} phases={ {k: round(v, 1) for k, v in row['phases_s'].items()} }",
+                          flush=True)
         plots = []
         for load in loads:
             png = results_path(f"{args.name}-{kind}-{int(load * 100)}-ttft-cdf", ".png", args.out_dir)

@@ -150,7 +150,7 @@ def generate(kind: str, seed: int, n: int) -> Workload:
         ts = bursty_arrivals(1.0, n, rng.randrange(1 << 30), burst_factor=4.0, period_s=20.0, duty=0.2)
         items = [(t, _chat_body(MODEL_A, [{"role": "system", "content": {"$system": 0}},
                                           {"role": "user", "content": _words(rng, rng.randint(200, 1000))}],
-                                rng.randint(256, 768)), "bursty") for t in ts]
+                                rng.randint(128, 384)), "bursty") for t in ts]
     elif kind == "mix":
         w = Workload(kind, seed, [MODEL_A, MODEL_B], [_words(rng, k) for k in (1500, 3000, 600)])
         a = _sessions(rng, MODEL_A, int(n * 0.7), [0, 1], [2, 1], "mix-a", (64, 160))
