@@ -35,6 +35,9 @@ UNKNOWN_VIDEO_TOKENS = 4096
 DEFAULT_EXPECTED_OUTPUT_TOKENS = 256
 MAX_EXPECTED_OUTPUT_TOKENS = 2048
 
+# Media larger than twice this (in URL characters) is hashed by length, head and tail.
+MEDIA_SAMPLE_CHARS = 64 * 1024
+
 CHAT = "chat"
 COMPLETIONS = "completions"
 
@@ -148,7 +151,16 @@ class _PrefixChain:
 
     def add_media(self, kind: str, locator: str, tokens: int) -> None:
         # A data: URL is the content itself; an http URL names it. Either way equal media hash equal.
-        digest = hashlib.blake2b(locator.encode(), digest_size=16).hexdigest()
+        # A large one is identified by its length, head and tail: hashing megabytes per request
+        # would cost milliseconds, and a rare collision only costs a routing preference.
+        hasher = hashlib.blake2b(digest_size=16)
+        if len(locator) > 2 * MEDIA_SAMPLE_CHARS:
+            hasher.update(b"%d:" % len(locator))
+            hasher.update(locator[:MEDIA_SAMPLE_CHARS].encode())
+            hasher.update(locator[-MEDIA_SAMPLE_CHARS:].encode())
+        else:
+            hasher.update(locator.encode())
+        digest = hasher.hexdigest()
         self._buf += f"\x00{kind}:{digest}\x00".encode()
         self._buf_tokens += tokens
         self._close_block()

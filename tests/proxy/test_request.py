@@ -104,3 +104,21 @@ def test_image_tokens_follow_qwen3_vl_32px_per_token_with_clamps():
     assert tokens(32, 32) - base == 64             # clamped up to Qwen's minimum
     http = parse_request(chat(image_message("http://example.com/cat.png", "")), CHAT).prompt_tokens
     assert http - base == 1024                     # unknown size: assumed ~1024x1024
+
+
+def test_large_images_are_told_apart_without_hashing_every_byte():
+    import os
+
+    def noisy_png() -> str:
+        image = Image.frombytes("RGB", (512, 512), os.urandom(512 * 512 * 3))  # incompressible: a large file
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    first, second = noisy_png(), noisy_png()
+    assert len(first) > 500_000
+    a = parse_request(chat(image_message(first, "q")), CHAT)
+    again = parse_request(chat(image_message(first, "other q")), CHAT)
+    b = parse_request(chat(image_message(second, "q")), CHAT)
+    assert a.prefix_hashes[0] == again.prefix_hashes[0] != b.prefix_hashes[0]
+    assert a.prompt_tokens >= 256  # 512x512 px read from the header
