@@ -71,7 +71,7 @@ def build_app(config: FleetConfig, *, policy: str | None = None) -> web.Applicat
 
 
 @web.middleware
-async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
+async def openai_errors(request: web.Request, handler: control.Handler) -> web.StreamResponse:
     """Unknown paths, wrong methods and unexpected failures also answer in OpenAI's error body."""
     try:
         return await handler(request)

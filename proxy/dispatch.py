@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Sequence
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 from proxy.config import FleetConfig
 from proxy.errors import ProxyError, error_response, model_not_found, no_healthy_worker
@@ -137,7 +138,7 @@ class Dispatcher:
         return self._exhausted(served, last_failure, last_worker, request_id)
 
     async def _forward_once(self, worker: Worker, decision: Decision, policy: Policy, routed: RoutedRequest,
-                            path: str, body: bytes, headers, request: web.Request,
+                            path: str, body: bytes, headers: CIMultiDict[str], request: web.Request,
                             response_headers: dict[str, str]) -> ForwardResult | RetryableFailure:
         now = self.registry.clock()
         load = worker.load

@@ -11,12 +11,15 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 import aiohttp
 
 from proxy.loadview import parse_engine_metrics
 from proxy.protocol import WorkerRegistration
 from proxy.registry import Registry, Worker, WorkerState
+from proxy.upstream import Upstream
 
 log = logging.getLogger("kvroute.monitor")
 
@@ -46,9 +49,9 @@ async def probe_models(session: aiohttp.ClientSession, url: str) -> tuple[list[s
 class HealthMonitor:
     """One background task checking every worker that needs it, each at its own cadence."""
 
-    def __init__(self, registry: Registry, session_provider) -> None:
+    def __init__(self, registry: Registry, upstream: Upstream) -> None:
         self.registry = registry
-        self._session_provider = session_provider  # the Upstream; its session exists once started
+        self._upstream = upstream  # probes share its pooled session, which exists once started
         self._last_check: dict[str, float] = {}
         self._busy: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -56,7 +59,7 @@ class HealthMonitor:
 
     @property
     def session(self) -> aiohttp.ClientSession:
-        return self._session_provider.session
+        return self._upstream.session
 
     def start(self) -> None:
         self._main = asyncio.create_task(self._run(), name="kvroute-monitor")
@@ -93,7 +96,7 @@ class HealthMonitor:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10.0)
 
-    def spawn(self, coro) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
