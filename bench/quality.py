@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 
 from bench.fleet import Fleet, SimWorkerSpec, start_router
-from bench.loadgen import LoadGenerator, percentile, summarize
+from bench.loadgen import LoadGenerator, summarize
 from bench.report import environment_note, fmt, md_table, ms, plot_cdfs, plot_spread, results_path, write_json
 from bench.workloads import KINDS, MODEL_A, MODEL_B, Workload, load_or_generate
 
@@ -187,6 +187,8 @@ def render(sections: list[dict[str, Any]], header: str) -> str:
                              "e2e p99 ms", "req/s", "out tok/s", "goodput", "preempt", "prefix hit",
                              "KV spread", "KV peak", "router CPU"], table))
         out.append("")
+        for failure in sec.get("failed_cells", []):
+            out.append(f"- cell not run: {failure}")
         for png in sec.get("plots", []):
             out.append(f"![{png}]({png})")
         out.append("")
@@ -218,59 +220,73 @@ def run(args: argparse.Namespace) -> int:
     sections: list[dict[str, Any]] = []
     t_start = time.time()
     for kind in args.workloads.split(","):
-        w = load_or_generate(kind, args.seed, 2000)
-        with Fleet(log_dir / kind, fleet_workers(kind, args.workers, args.time_scale, args.preset,
-                                                 args.kv_tokens)) as fleet:
-            capacity_wall = calibrate(fleet, w, args.calibrate_requests, args.calibrate_concurrency * args.workers,
-                                      args.calibrate_seconds)
-            capacity = capacity_wall / args.time_scale  # requests per simulated second
-            n = min(len(w.requests), max(30, int(capacity * max(loads) * args.duration)))
-            print(f"[quality] {kind}: capacity {capacity:.2f} req/s (simulated); {n} requests per cell", flush=True)
-            rows = []
-            for load in loads:
-                rate_wall = capacity_wall * load
-                for kind_r, policy in routes:
-                    salt = f"{kind}-{load}-{kind_r}-{policy}-{time.time()}"
-                    row = run_cell(fleet, w, kind_r, policy, rate_wall, n, args.time_scale, salt)
-                    row["load"] = load
-                    rows.append(row)
-                    print(f"[quality]   {int(load * 100)}% {row['route']}: ok={row['ok']} rej={row['rejected']} "
-                          f"fail={row['failed']} ttft p99={ms(row['ttft_p99'], digits=0)}ms "
-                          f"goodput={100 * row['goodput_frac']:.0f}% preempt={row['preemptions']} kv peak={fmt(row['kv_peak'], digits=2)} "
-                          f"hit={fmt(row['prefix_hit'], digits=2)} router cpu={fmt(row['router_cpu'], digits=2)} "
-                          f"chunks/s={row['chunks_per_wall_s']:.0f} phases={ {k: round(v, 1) for k, v in row['phases_s'].items()} }",
-                          flush=True)
-        plots = []
+        sections.append(run_workload(args, kind, routes, loads, log_dir))
+        write_results(args, sections, t_start)  # after each workload: a cut-short run keeps what it has
+    print(write_results(args, sections, t_start))
+    return 0 if not any(s["failed_cells"] for s in sections) else 1
+
+
+def run_workload(args: argparse.Namespace, kind: str, routes: list[tuple[str, str]], loads: list[float],
+                 log_dir: Path) -> dict[str, Any]:
+    """Calibrate one workload's fleet, then run every (load, route) cell on it; plots included."""
+    w = load_or_generate(kind, args.seed, 2000)
+    rows: list[dict[str, Any]] = []
+    failed_cells: list[str] = []
+    with Fleet(log_dir / kind, fleet_workers(kind, args.workers, args.time_scale, args.preset,
+                                             args.kv_tokens)) as fleet:
+        capacity_wall = calibrate(fleet, w, args.calibrate_requests, args.calibrate_concurrency * args.workers,
+                                  args.calibrate_seconds)
+        capacity = capacity_wall / args.time_scale  # requests per simulated second
+        n = min(len(w.requests), max(30, int(capacity * max(loads) * args.duration)))
+        print(f"[quality] {kind}: capacity {capacity:.2f} req/s (simulated); {n} requests per cell", flush=True)
         for load in loads:
-            png = results_path(f"{args.name}-{kind}-{int(load * 100)}-ttft-cdf", ".png", args.out_dir)
-            plot_cdfs(png, {r["route"]: r["ttfts"] for r in rows if r["load"] == load},
-                      f"{kind} at {int(load * 100)}% load: TTFT CDF (simulated ms)", "TTFT (ms)")
-            plots.append(png.name)
-        png = results_path(f"{args.name}-{kind}-kv-spread", ".png", args.out_dir)
-        top = max(loads)
-        plot_spread(png, {r["route"]: ([t * args.time_scale for t, _ in r["kv_series"]],
-                                       [max(u) - min(u) for _, u in r["kv_series"]])
-                          for r in rows if r["load"] == top},
-                    f"{kind} at {int(top * 100)}% load: KV usage spread (max - min across workers)", "KV usage spread")
+            for kind_r, policy in routes:
+                salt = f"{kind}-{load}-{kind_r}-{policy}-{time.time()}"
+                try:
+                    row = run_cell(fleet, w, kind_r, policy, capacity_wall * load, n, args.time_scale, salt)
+                except Exception as exc:  # one broken router must not cost the other cells
+                    print(f"[quality]   {int(load * 100)}% {kind_r}:{policy} FAILED: {exc}", flush=True)
+                    failed_cells.append(f"{int(load * 100)}% {kind_r}:{policy}: {str(exc)[:300]}")
+                    continue
+                row["load"] = load
+                rows.append(row)
+                print(f"[quality]   {int(load * 100)}% {row['route']}: ok={row['ok']} rej={row['rejected']} "
+                      f"fail={row['failed']} ttft p99={ms(row['ttft_p99'], digits=0)}ms "
+                      f"goodput={100 * row['goodput_frac']:.0f}% preempt={row['preemptions']} "
+                      f"kv peak={fmt(row['kv_peak'], digits=2)} hit={fmt(row['prefix_hit'], digits=2)} "
+                      f"router cpu={fmt(row['router_cpu'], digits=2)} chunks/s={row['chunks_per_wall_s']:.0f} "
+                      f"phases={ {k: round(v, 1) for k, v in row['phases_s'].items()} }", flush=True)
+    plots = []
+    for load in loads:
+        png = results_path(f"{args.name}-{kind}-{int(load * 100)}-ttft-cdf", ".png", args.out_dir)
+        plot_cdfs(png, {r["route"]: r["ttfts"] for r in rows if r["load"] == load},
+                  f"{kind} at {int(load * 100)}% load: TTFT CDF (simulated ms)", "TTFT (ms)")
         plots.append(png.name)
-        sections.append({"kind": kind, "capacity": capacity, "n": n, "rows": rows, "plots": plots})
+    png = results_path(f"{args.name}-{kind}-kv-spread", ".png", args.out_dir)
+    top = max(loads)
+    plot_spread(png, {r["route"]: ([t * args.time_scale for t, _ in r["kv_series"]],
+                                   [max(u) - min(u) for _, u in r["kv_series"]])
+                      for r in rows if r["load"] == top},
+                f"{kind} at {int(top * 100)}% load: KV usage spread (max - min across workers)", "KV usage spread")
+    plots.append(png.name)
+    return {"kind": kind, "capacity": capacity, "n": n, "rows": rows, "plots": plots, "failed_cells": failed_cells}
+
+
+def write_results(args: argparse.Namespace, sections: list[dict[str, Any]], t_start: float) -> str:
     header = (f"# Routing quality\n\n{environment_note()}; run took {time.time() - t_start:.0f} s.\n\n"
               f"Fleet: {args.workers} sim workers, preset {args.preset}, KV capped at {args.kv_tokens} tokens "
               f"per worker, time scale {args.time_scale} (all times below are simulated). Offered load = "
               f"fraction of the capacity measured by a closed-loop calibration through client-side round "
-              f"robin. Goodput = share of requests with TTFT <= {TTFT_SLO_S:.0f} s. KV spread = time-mean of "
-              f"(max - min) KV usage across workers, sampled every 0.5 s. Workload seed {args.seed}.\n")
+              f"robin ({args.calibrate_concurrency} clients per worker). Each cell: {args.duration:g} s of "
+              f"arrivals. Goodput = share of all requests (rejected ones included) with TTFT <= "
+              f"{TTFT_SLO_S:.0f} s. KV spread = time-mean of (max - min) KV usage across workers, sampled "
+              f"every 0.5 s. Router CPU = share of one core. Workload seed {args.seed}.\n")
     text = render(sections, header)
     results_path(args.name, ".md", args.out_dir).write_text(text)
     write_json(results_path(args.name, ".json", args.out_dir),
                [{**{k: v for k, v in r.items() if k not in ("ttfts", "kv_series")}, "kind": s["kind"]}
                 for s in sections for r in s["rows"]])
-    print(text)
-    return 0
-
-
-def ttft_p(rows: list[dict[str, Any]], q: float) -> float | None:
-    return percentile([t for r in rows for t in r["ttfts"]], q)
+    return text
 
 
 if __name__ == "__main__":
