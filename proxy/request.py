@@ -67,7 +67,7 @@ class RoutedRequest:
         """The body to forward: the original bytes, unless an alias must become the served name."""
         if served_name == self.model:
             return self.body
-        return orjson.dumps({**self.payload, "model": served_name})
+        return json_bytes({**self.payload, "model": served_name})
 
 
 def parse_request(body: bytes, kind: str, session_header: str | None = None) -> RoutedRequest:
@@ -109,11 +109,12 @@ def parse_request(body: bytes, kind: str, session_header: str | None = None) -> 
 
 
 def _expected_output(payload: dict[str, Any]) -> int:
-    limit = payload.get("max_completion_tokens", payload.get("max_tokens"))
+    param = "max_completion_tokens" if payload.get("max_completion_tokens") is not None else "max_tokens"
+    limit = payload.get(param)
     if limit is None:
         limit = DEFAULT_EXPECTED_OUTPUT_TOKENS
     elif not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-        raise bad_request("`max_tokens` must be a non-negative integer.", "max_tokens")
+        raise bad_request(f"`{param}` must be a non-negative integer.", param)
     n = payload.get("n", 1)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise bad_request("`n` must be a positive integer.", "n")
@@ -198,6 +199,9 @@ def _chat_features(payload: dict[str, Any], chain: _PrefixChain) -> tuple[int, i
                 if not isinstance(part, dict):
                     raise bad_request(f"`messages[{i}].content` parts must be objects.", f"messages[{i}].content")
                 part_type = part.get("type", "text")
+                if not isinstance(part_type, str):
+                    raise bad_request(f"`messages[{i}].content` part `type` must be a string.",
+                                      f"messages[{i}].content")
                 if part_type == "text":
                     raw = str(part.get("text", "")).encode()
                     chain.add_text(raw)
@@ -212,7 +216,7 @@ def _chat_features(payload: dict[str, Any], chain: _PrefixChain) -> tuple[int, i
             raise bad_request(f"`messages[{i}].content` must be a string or an array.", f"messages[{i}].content")
         for key in ("tool_calls", "name", "tool_call_id"):  # part of the prompt the engine sees
             if key in message:
-                raw = orjson.dumps(message[key])
+                raw = json_bytes(message[key])
                 chain.add_text(raw)
                 text_bytes += len(raw)
     return text_bytes, media_tokens, media_count
@@ -246,7 +250,15 @@ def _media_locator(part: dict[str, Any], part_type: str) -> str:
     if isinstance(value, str):
         return value
     # input_audio and other shapes: their JSON is their identity
-    return orjson.dumps(value).decode()
+    return json_bytes(value).decode()
+
+
+def json_bytes(value: object) -> bytes:
+    """`value` re-encoded; a 400 for what orjson parses but cannot write back (nesting over 255 deep)."""
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError as exc:
+        raise bad_request(f"The request body cannot be re-encoded: {exc}.") from None
 
 
 def _media_tokens(part_type: str, locator: str) -> int:

@@ -1,0 +1,75 @@
+"""Hostile or careless callers: odd bodies, odd headers, bad registrations. Clear errors, nothing crashes, nothing hangs."""
+
+from __future__ import annotations
+
+import httpx
+import orjson
+import pytest
+
+from proxy.errors import ProxyError
+from proxy.request import CHAT, parse_request
+
+pytestmark = pytest.mark.timeout(120)
+
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def error_of(resp: httpx.Response) -> dict:
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+# --- parsing, in process -------------------------------------------------------------------------
+@pytest.mark.parametrize("part_type", [5, ["image_url"], {"a": 1}, None])
+def test_a_content_part_whose_type_is_not_a_string_is_a_400(part_type):
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": [{"type": part_type}]}]})
+    with pytest.raises(ProxyError) as err:
+        parse_request(body, CHAT)
+    assert err.value.status == 400 and err.value.param == "messages[0].content"
+
+
+@pytest.mark.parametrize("field", [b'"name"', b'"tool_calls"'])
+def test_deep_nesting_orjson_reads_but_cannot_write_back_is_a_400(field):
+    # orjson parses up to 1024 levels but writes at most 255: re-encoding used to raise past the handler.
+    body = b'{"model":"m","messages":[{"role":"user","content":"x",' + field + b":" + nested(500) + b"}]}"
+    with pytest.raises(ProxyError) as err:
+        parse_request(body, CHAT)
+    assert err.value.status == 400
+
+
+def test_an_alias_request_with_deep_nesting_elsewhere_is_a_400_not_a_crash():
+    body = b'{"model":"alias","messages":[{"role":"user","content":"x"}],"tools":' + nested(500) + b"}"
+    routed = parse_request(body, CHAT)
+    assert routed.body_for_model("alias") == body  # the served name itself: bytes untouched
+    with pytest.raises(ProxyError) as err:
+        routed.body_for_model("served")
+    assert err.value.status == 400
+
+
+def test_a_bad_max_completion_tokens_is_named_in_the_error():
+    body = orjson.dumps({"model": "m", "messages": HELLO, "max_completion_tokens": "many"})
+    with pytest.raises(ProxyError) as err:
+        parse_request(body, CHAT)
+    assert err.value.param == "max_completion_tokens"
+
+
+# --- against a real proxy ------------------------------------------------------------------------
+def test_malformed_bodies_get_openai_errors_from_a_running_proxy(fleet):
+    fleet.start_proxy()
+    fleet.start_sims(1)
+    url = fleet.url + "/v1/chat/completions"
+    cases = {
+        "part type": orjson.dumps({"model": "m1", "messages": [{"role": "user", "content": [{"type": 7}]}]}),
+        "deep name": b'{"model":"m1","messages":[{"role":"user","content":"x","name":' + nested(400) + b"}]}",
+        "too deep": b'{"model":"m1","messages":' + nested(5000) + b"}",
+    }
+    for what, body in cases.items():
+        resp = fleet.http.post(url, content=body, headers={"content-type": "application/json"})
+        assert resp.status_code == 400, (what, resp.text)
+        assert error_of(resp)["type"] == "invalid_request_error"
+    assert fleet.chat().status_code == 200
