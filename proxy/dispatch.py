@@ -29,6 +29,8 @@ log = logging.getLogger("kvroute.dispatch")
 
 # While queued, re-check at least this often even without a change notification.
 QUEUE_RECHECK_S = 0.25
+# Distinct requested model names (served, aliases, typos) that get their own metrics label.
+MAX_MODEL_LABELS = 64
 
 
 class PolicySet:
@@ -65,6 +67,7 @@ class Dispatcher:
         self.policies = policies
         self.metrics = metrics
         self._queues: dict[str, _AdmissionQueue] = {}
+        self._model_labels: set[str] = set()
 
     async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
         started = time.monotonic()
@@ -73,7 +76,7 @@ class Dispatcher:
         try:
             body = await self._read_body(request)
             routed = parse_request(body, kind, request.headers.get("x-session-id"))
-            model_label = routed.model
+            model_label = self._label_for_requested_model(routed.model)
             served = self.resolve_model(routed.model)
             model_label = served
             return await self._route(request, routed, served, request_id, started)
@@ -81,6 +84,16 @@ class Dispatcher:
             self.metrics.rejections.labels(model_label, exc.code or str(exc.status)).inc()
             self.metrics.requests.labels(model_label, "", str(exc.status)).inc()
             return exc.response({"x-request-id": request_id})
+
+    def _label_for_requested_model(self, name: str) -> str:
+        """`name` as a metrics label while few distinct names were seen, then "other": each label
+        value lives in /metrics for good, and clients choose these names."""
+        if name in self._model_labels:
+            return name
+        if len(self._model_labels) < MAX_MODEL_LABELS:
+            self._model_labels.add(name)
+            return name
+        return "other"
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.proxy_config.max_body_bytes

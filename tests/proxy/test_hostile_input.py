@@ -6,6 +6,7 @@ import httpx
 import orjson
 import pytest
 
+from proxy.dispatch import MAX_MODEL_LABELS
 from proxy.errors import ProxyError
 from proxy.request import CHAT, parse_request
 
@@ -72,4 +73,16 @@ def test_malformed_bodies_get_openai_errors_from_a_running_proxy(fleet):
         resp = fleet.http.post(url, content=body, headers={"content-type": "application/json"})
         assert resp.status_code == 400, (what, resp.text)
         assert error_of(resp)["type"] == "invalid_request_error"
+    assert fleet.chat().status_code == 200
+
+
+def test_unknown_model_names_stop_adding_metric_labels_after_a_bound(fleet):
+    fleet.start_proxy()
+    fleet.start_sims(1)
+    for i in range(MAX_MODEL_LABELS + 6):
+        assert fleet.chat(model=f"made-up-{i}").status_code == 404
+    metrics = fleet.http.get(fleet.url + "/metrics").text
+    assert 'kvroute:rejections_total{model="made-up-0",reason="model_not_found"} 1.0' in metrics
+    assert f'model="made-up-{MAX_MODEL_LABELS + 5}"' not in metrics
+    assert 'kvroute:rejections_total{model="other",reason="model_not_found"}' in metrics
     assert fleet.chat().status_code == 200
