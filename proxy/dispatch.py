@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -29,6 +30,8 @@ log = logging.getLogger("kvroute.dispatch")
 
 # While queued, re-check at least this often even without a change notification.
 QUEUE_RECHECK_S = 0.25
+# A client's x-request-id is kept only when it looks like an id: it is echoed, logged and forwarded.
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 # Distinct requested model names (served, aliases, typos) that get their own metrics label.
 MAX_MODEL_LABELS = 64
 
@@ -71,7 +74,7 @@ class Dispatcher:
 
     async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
         started = time.monotonic()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = _request_id(request.headers.get("x-request-id"))
         model_label = "unknown"
         try:
             body = await self._read_body(request)
@@ -256,6 +259,13 @@ class Dispatcher:
 
     def queue_lengths(self) -> dict[str, int]:
         return {model: q.waiting for model, q in self._queues.items()}
+
+
+def _request_id(given: str | None) -> str:
+    """The client's x-request-id when it is a plain id; otherwise (absent, long, odd bytes) a new one."""
+    if given and _CLIENT_REQUEST_ID.fullmatch(given):
+        return given
+    return uuid.uuid4().hex
 
 
 def _too_large(limit: int) -> ProxyError:

@@ -86,3 +86,19 @@ def test_unknown_model_names_stop_adding_metric_labels_after_a_bound(fleet):
     assert f'model="made-up-{MAX_MODEL_LABELS + 5}"' not in metrics
     assert 'kvroute:rejections_total{model="other",reason="model_not_found"}' in metrics
     assert fleet.chat().status_code == 200
+
+
+def test_a_plain_request_id_is_kept_and_an_unusable_one_replaced(fleet):
+    fleet.start_proxy()
+    fleet.start_sims(1)
+    kept = fleet.http.post(
+        fleet.url + "/v1/chat/completions", json={"model": "m1", "messages": HELLO, "max_tokens": 2},
+        headers={"x-request-id": "trace-42.a"})
+    assert kept.status_code == 200 and kept.headers["x-request-id"] == "trace-42.a"
+    for bad in ("r" * 5000, "two words", "caf\u00e9".encode().decode("latin-1")):
+        resp = fleet.http.post(fleet.url + "/v1/chat/completions",
+                               json={"model": "m1", "messages": HELLO, "max_tokens": 2},
+                               headers={"x-request-id": bad.encode("latin-1")})
+        assert resp.status_code == 200
+        replaced = resp.headers["x-request-id"]
+        assert replaced != bad and 0 < len(replaced) <= 128 and replaced.isalnum()
