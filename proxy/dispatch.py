@@ -32,6 +32,10 @@ log = logging.getLogger("kvroute.dispatch")
 QUEUE_RECHECK_S = 0.25
 # A client's x-request-id is kept only when it looks like an id: it is echoed, logged and forwarded.
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
+# Each proxy adds its instance id here when forwarding; seeing its own id again means a worker URL
+# points back at a proxy of this chain, and the request would otherwise circle until it times out.
+VIA_HEADER = "x-kvroute-via"
+MAX_VIA_HOPS = 8
 # Distinct requested model names (served, aliases, typos) that get their own metrics label.
 MAX_MODEL_LABELS = 64
 
@@ -71,12 +75,14 @@ class Dispatcher:
         self.metrics = metrics
         self._queues: dict[str, _AdmissionQueue] = {}
         self._model_labels: set[str] = set()
+        self.instance_id = uuid.uuid4().hex[:16]
 
     async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
         started = time.monotonic()
         request_id = _request_id(request.headers.get("x-request-id"))
         model_label = "unknown"
         try:
+            self._refuse_loop(request.headers.get(VIA_HEADER, ""))
             body = await self._read_body(request)
             routed = parse_request(body, kind, request.headers.get("x-session-id"))
             model_label = self._label_for_requested_model(routed.model)
@@ -97,6 +103,12 @@ class Dispatcher:
             self._model_labels.add(name)
             return name
         return "other"
+
+    def _refuse_loop(self, via: str) -> None:
+        hops = via.split(",") if via else []
+        if self.instance_id in hops or len(hops) >= MAX_VIA_HOPS:
+            raise ProxyError(508, "The request came back to the proxy that forwarded it: a worker URL points "
+                                  "at a kvroute proxy of this chain.", "server_error", code="loop_detected")
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.proxy_config.max_body_bytes
@@ -121,6 +133,8 @@ class Dispatcher:
                      started: float) -> web.StreamResponse:
         policy = self.policies.for_model(served)
         headers = upstream_headers(request.headers, request_id)
+        via = request.headers.get(VIA_HEADER)
+        headers[VIA_HEADER] = f"{via},{self.instance_id}" if via else self.instance_id
         body = routed.body_for_model(served)
         path = request.rel_url.raw_path_qs
         tried: set[str] = set()
