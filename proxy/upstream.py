@@ -113,7 +113,11 @@ class Upstream:
         try:
             status = upstream.status
             if status >= 500 or status == 429:
-                data = await self._read_body(upstream)
+                try:
+                    data = await self._read_body(upstream)
+                except _UPSTREAM_ERRORS as exc:  # still nothing sent: retry, without a body to pass on
+                    return RetryableFailure(f"status_{status}",
+                                            f"worker answered HTTP {status}, then {type(exc).__name__}")
                 return RetryableFailure(f"status_{status}", f"worker answered HTTP {status}", status,
                                         data, upstream.headers.get("Content-Type"))
             headers = _relayed_headers(upstream.headers, response_headers)

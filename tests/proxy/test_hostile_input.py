@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import httpx
 import orjson
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from proxy.dispatch import MAX_MODEL_LABELS
 from proxy.errors import ProxyError
 from proxy.request import CHAT, parse_request
+from tests.support.procs import free_port, wait_http_ok
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -116,3 +119,44 @@ def test_a_worker_url_pointing_at_the_proxy_itself_answers_508_at_once(fleet):
     assert looped.status_code == 508 and error_of(looped)["code"] == "loop_detected"
     assert fleet.worker("itself")["in_flight"] == 0
     assert fleet.chat().status_code == 200  # the real worker is unaffected
+
+
+# A worker that answers every POST with a 500 whose body breaks off, and GETs with 200 so it looks healthy.
+BROKEN_500 = r"""
+import asyncio, sys
+async def serve(reader, writer):
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = [int(l.split(b":")[1]) for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")]
+    if length:
+        await reader.readexactly(length[0])
+    if head.startswith(b"POST"):
+        writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"error\": ")
+    else:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+    await writer.drain()
+    writer.close()
+async def main():
+    server = await asyncio.start_server(serve, "127.0.0.1", int(sys.argv[1]))
+    print("listening", flush=True)
+    await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+def test_a_5xx_whose_body_breaks_off_is_retried_on_another_worker(fleet, procs):
+    fleet.start_proxy("--policy", "round_robin")
+    (sim,) = fleet.start_sims(1, register=False)
+    port = free_port()
+    procs.start([sys.executable, "-c", BROKEN_500, str(port)], name="broken500")
+    broken = f"http://127.0.0.1:{port}"
+    wait_http_ok(broken + "/health", timeout=20)
+    fleet.register("broken", broken)
+    fleet.register("good", sim.url)
+    fleet.wait_workers(lambda ws: len(ws) == 2, what="two workers")
+    served_by = set()
+    for _ in range(4):  # round robin: at least two of these try the broken worker first
+        resp = fleet.chat(max_tokens=2)
+        assert resp.status_code == 200, resp.text
+        served_by.add(resp.headers["x-kvroute-worker"])
+    assert served_by == {"good"}
