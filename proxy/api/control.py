@@ -113,7 +113,8 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             return error_response(400, "`url` (http://host:port) is required.", param="url")
         status = body.get("status") if isinstance(body.get("status"), dict) else {}
-        models = [m for m in status.get("models") or [] if isinstance(m, str)]
+        listed = status.get("models")
+        models = [m for m in listed if isinstance(m, str)] if isinstance(listed, list) else []
         labels = {"role": str(status.get("role", "Hybrid"))}
         if isinstance(status.get("speed"), int | float):
             labels["speed"] = str(status["speed"])

@@ -121,6 +121,14 @@ def test_a_worker_url_pointing_at_the_proxy_itself_answers_508_at_once(fleet):
     assert fleet.chat().status_code == 200  # the real worker is unaffected
 
 
+def test_nodes_add_with_models_as_a_string_asks_the_worker_instead_of_splitting_letters(fleet):
+    fleet.start_proxy()
+    (sim,) = fleet.start_sims(1, register=False)
+    resp = fleet.http.post(fleet.url + "/nodes/add", json={"url": sim.url, "status": {"models": "m1"}})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["models"] == ["m1"]
+
+
 # A worker that answers every POST with a 500 whose body breaks off, and GETs with 200 so it looks healthy.
 BROKEN_500 = r"""
 import asyncio, sys
