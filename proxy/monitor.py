@@ -104,7 +104,11 @@ class HealthMonitor:
     async def _run(self) -> None:
         while True:
             now = self.registry.clock()
-            for worker in self.registry.workers():
+            workers = self.registry.workers()
+            if len(self._last_check) > len(workers):  # forget removed workers (ids churn under /nodes/add)
+                present = {w.worker_id for w in workers}
+                self._last_check = {k: v for k, v in self._last_check.items() if k in present}
+            for worker in workers:
                 if self._long_silent(worker, now):
                     log.warning("forgetting %s: no report for %.0fs", worker.worker_id, FORGET_SILENT_AFTER_S)
                     self.registry.remove(worker.worker_id)
