@@ -201,13 +201,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routes", default=",".join(f"{k}:{v}" for k, v in ROUTES),
                    help="comma-separated kind:policy (kind kvroute, direct or a peer name)")
     p.add_argument("--workers", type=int, default=WORKERS)
-    p.add_argument("--duration", type=float, default=10.0, help="simulated seconds of arrivals per cell")
+    p.add_argument("--duration", type=float, default=6.0, help="simulated seconds of arrivals per cell")
     p.add_argument("--time-scale", type=float, default=1.0, help="sim time scale (results are in simulated time)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--preset", default=PRESET, help="sim preset of every worker")
     p.add_argument("--kv-tokens", type=int, default=KV_CAPACITY_TOKENS, help="KV capacity per worker (tokens)")
     p.add_argument("--calibrate-requests", type=int, default=600)
-    p.add_argument("--calibrate-seconds", type=float, default=15.0, help="wall-time cap of the calibration")
+    p.add_argument("--calibrate-seconds", type=float, default=10.0, help="wall-time cap of the calibration")
     p.add_argument("--calibrate-concurrency", type=int, default=64, help="closed-loop clients per worker")
     p.add_argument("--out-dir", type=Path, default=None)
     p.add_argument("--name", default="quality")
@@ -260,7 +260,7 @@ def run_workload(args: argparse.Namespace, kind: str, routes: list[tuple[str, st
     for load in loads:
         png = results_path(f"{args.name}-{kind}-{int(load * 100)}-ttft-cdf", ".png", args.out_dir)
         plot_cdfs(png, {r["route"]: r["ttfts"] for r in rows if r["load"] == load},
-                  f"{kind} at {int(load * 100)}% load: TTFT CDF (simulated ms)", "TTFT (ms)")
+                  f"{kind} at {int(load * 100)}% load: TTFT CDF (simulated ms)", "TTFT (ms), successful requests")
         plots.append(png.name)
     png = results_path(f"{args.name}-{kind}-kv-spread", ".png", args.out_dir)
     top = max(loads)
