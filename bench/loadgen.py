@@ -253,6 +253,7 @@ def summarize(run: RunResult, ttft_slo_s: float | None = None) -> dict[str, Any]
     out: dict[str, Any] = {
         "requests": len(rs), "ok": len(ok),
         "rejected": sum(r.rejected for r in rs), "failed": sum(r.failed for r in rs),
+        "rejected_429": sum(r.status == 429 for r in rs), "rejected_503": sum(r.status == 503 for r in rs),
         "wall_s": run.wall_s, "req_per_s": len(ok) / run.wall_s if run.wall_s else 0.0,
         "output_tok_per_s": sum(r.completion_tokens for r in ok) / run.wall_s if run.wall_s else 0.0,
         "lat_p50": percentile(lat, 50), "lat_p99": percentile(lat, 99),
