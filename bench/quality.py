@@ -176,14 +176,15 @@ def render(sections: list[dict[str, Any]], header: str) -> str:
         out.append(f"## {sec['kind']} (capacity {sec['capacity']:.2f} req/s, {sec['n']} requests per cell)\n")
         table = []
         for r in sec["rows"]:
-            table.append([f"{int(r['load'] * 100)}%", r["route"], r["ok"], r["rejected"], r["failed"],
+            rejected = f"{r['rejected']} ({r['rejected_429']}/{r['rejected_503']})" if r["rejected"] else "0"
+            table.append([f"{int(r['load'] * 100)}%", r["route"], r["ok"], rejected, r["failed"],
                           ms(r["ttft_p50"], digits=0), ms(r["ttft_p99"], digits=0), ms(r["lat_p99"], digits=0),
                           fmt(r["req_per_s"], digits=2), fmt(r["output_tok_per_s"], digits=0),
                           fmt(100 * r["goodput_frac"], "%", 0), r["preemptions"],
                           fmt(None if r["prefix_hit"] is None else 100 * r["prefix_hit"], "%", 0),
                           fmt(r["kv_spread"], digits=2), fmt(r["kv_peak"], digits=2),
                           fmt(None if r["router_cpu"] is None else 100 * r["router_cpu"], "%", 0)])
-        out.append(md_table(["load", "route", "ok", "rejected", "failed", "TTFT p50 ms", "TTFT p99 ms",
+        out.append(md_table(["load", "route", "ok", "rejected (429/503)", "failed", "TTFT p50 ms", "TTFT p99 ms",
                              "e2e p99 ms", "req/s", "out tok/s", "goodput", "preempt", "prefix hit",
                              "KV spread", "KV peak", "router CPU"], table))
         out.append("")
