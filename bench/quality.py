@@ -260,16 +260,16 @@ def run_workload(args: argparse.Namespace, kind: str, routes: list[tuple[str, st
     plots = []
     for load in loads:
         png = results_path(f"{args.name}-{kind}-{int(load * 100)}-ttft-cdf", ".png", args.out_dir)
-        plot_cdfs(png, {r["route"]: r["ttfts"] for r in rows if r["load"] == load},
-                  f"{kind} at {int(load * 100)}% load: TTFT CDF (simulated ms)", "TTFT (ms), successful requests")
-        plots.append(png.name)
+        if plot_cdfs(png, {r["route"]: r["ttfts"] for r in rows if r["load"] == load},
+                     f"{kind} at {int(load * 100)}% load: TTFT CDF (simulated ms)", "TTFT (ms), successful requests"):
+            plots.append(png.name)
     png = results_path(f"{args.name}-{kind}-kv-spread", ".png", args.out_dir)
     top = max(loads)
-    plot_spread(png, {r["route"]: ([t * args.time_scale for t, _ in r["kv_series"]],
-                                   [max(u) - min(u) for _, u in r["kv_series"]])
-                      for r in rows if r["load"] == top},
-                f"{kind} at {int(top * 100)}% load: KV usage spread (max - min across workers)", "KV usage spread")
-    plots.append(png.name)
+    if plot_spread(png, {r["route"]: ([t * args.time_scale for t, _ in r["kv_series"]],
+                                      [max(u) - min(u) for _, u in r["kv_series"]])
+                         for r in rows if r["load"] == top},
+                   f"{kind} at {int(top * 100)}% load: KV usage spread (max - min across workers)", "KV usage spread"):
+        plots.append(png.name)
     return {"kind": kind, "capacity": capacity, "n": n, "rows": rows, "plots": plots, "failed_cells": failed_cells}
 
 

@@ -60,12 +60,24 @@ def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=1, default=str))
 
 
-def plot_cdfs(path: Path, series: dict[str, Sequence[float]], title: str, xlabel: str) -> None:
-    """One CDF line per label (values in seconds, plotted in ms)."""
-    import matplotlib
-
+def _pyplot():  # type: ignore[no-untyped-def]
+    """matplotlib's pyplot (Agg), or None when the `bench` extra is not installed: tables still get written."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("[bench] matplotlib missing (pip install 'kvroute[bench]'): no plots", flush=True)
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_cdfs(path: Path, series: dict[str, Sequence[float]], title: str, xlabel: str) -> bool:
+    """One CDF line per label (values in seconds, plotted in ms). False when it could not plot."""
+    plt = _pyplot()
+    if plt is None:
+        return False
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     for label, values in series.items():
@@ -83,15 +95,15 @@ def plot_cdfs(path: Path, series: dict[str, Sequence[float]], title: str, xlabel
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+    return True
 
 
 def plot_spread(path: Path, series: dict[str, tuple[Sequence[float], Sequence[float]]], title: str,
-                ylabel: str) -> None:
-    """Lines over time: label -> (t seconds, value)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+                ylabel: str) -> bool:
+    """Lines over time: label -> (t seconds, value). False when it could not plot."""
+    plt = _pyplot()
+    if plt is None:
+        return False
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     for label, (ts, vs) in series.items():
@@ -104,3 +116,4 @@ def plot_spread(path: Path, series: dict[str, tuple[Sequence[float], Sequence[fl
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+    return True
