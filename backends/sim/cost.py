@@ -33,7 +33,8 @@ def step_time_s(preset: Preset, work: StepWork) -> float:
     compute = 2 x LLM params per token + 4 x layers x hidden per attention pair
               + 8 x ViT params per image token (4 patches per merged token, 2 FLOPs per param)
     memory  = all weights once + KV tokens read x KV bytes per token
-    time    = fixed overhead + per-sequence overhead + max(compute / (peak x mfu), memory / (bw x eff))
+    time    = fixed overhead + per-sequence overhead + per-prefill-sequence overhead
+              + max(compute / (peak x mfu), memory / (bw x eff))
     """
     tokens = work.num_seqs_tokens
     if tokens == 0 and work.image_tokens == 0:
@@ -45,4 +46,5 @@ def step_time_s(preset: Preset, work: StepWork) -> float:
     compute_s = flops / (preset.peak_flops * preset.mfu)
     memory_s = memory_bytes / (preset.hbm_bandwidth * preset.bw_efficiency)
     num_seqs = work.decode_seqs + work.prefill_seqs
-    return preset.step_overhead_s + preset.per_seq_overhead_s * num_seqs + max(compute_s, memory_s)
+    return (preset.step_overhead_s + preset.per_seq_overhead_s * num_seqs
+            + preset.prefill_seq_overhead_s * work.prefill_seqs + max(compute_s, memory_s))

@@ -22,14 +22,20 @@ log = logging.getLogger("kvroute.sim.engine")
 
 MIN_SLEEP_S = 0.001
 LAG_WARN_EVERY_S = 30.0
+# a back-to-back step may start on the simulated clock even when the loop woke this late (wall seconds):
+# timer ticks and writing the last step's tokens make every wake-up ~0.5-1 ms late, and without this
+# slack those delays would add up step after step (~10% of a 5 ms step) instead of being caught up
+CATCH_UP_WALL_S = 0.003
 
 
 class SimEngine:
     """A simulated vLLM engine: continuous batching over a paged KV cache, in simulated time.
 
     Time: `now()` is wall time since start times `time_scale`. A step that starts at simulated
-    time t ends at t + step_time, and the loop sleeps until the wall clock reaches it; when the
-    host cannot keep up, simulated time follows the wall clock (steps never overlap).
+    time t ends at t + step_time, and the loop sleeps until the wall clock reaches it. The next
+    step starts where the last one ended (never before a request it admits arrived) as long as the
+    loop is less than CATCH_UP_WALL_S late; when the host falls further behind, simulated time
+    follows the wall clock and the difference counts as lag (steps never overlap).
     """
 
     def __init__(self, preset: Preset, time_scale: float = 1.0) -> None:
@@ -54,6 +60,7 @@ class SimEngine:
         self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
         self._t0 = time.monotonic()
         self._sim_clock = 0.0
+        self._frontend_free_at = 0.0  # simulated time the API front end finishes its current request
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -80,12 +87,24 @@ class SimEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, request: SimRequest) -> asyncio.Queue[TokenEvent]:
-        request.arrival_time = self.now()
+        """Queue a request; it reaches the scheduler once the (simulated) API front end is done with it."""
+        now = request.arrival_time = self.now()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._queues[request.request_id] = queue
+        frontend = self.preset.frontend_s + self.preset.frontend_s_per_prompt_token * request.num_prompt_tokens
+        if frontend <= 0:
+            self._enqueue(request)
+            return queue
+        # one front end, first come first served: a request also waits for the ones before it
+        ready = self._frontend_free_at = max(self._frontend_free_at, now) + frontend
+        asyncio.get_running_loop().call_later((ready - now) / self.time_scale, self._enqueue, request)
+        return queue
+
+    def _enqueue(self, request: SimRequest) -> None:
+        if request.finished:  # aborted while the front end had it
+            return
         self.scheduler.add(request)
         self._wake.set()
-        return queue
 
     def abort(self, request: SimRequest) -> None:
         """Stop a request (its client left): it leaves the queues and its blocks are freed."""
@@ -129,7 +148,11 @@ class SimEngine:
                 back_to_back = False
                 continue
             duration = step_time_s(self.preset, step.work)
-            start = max(self._sim_clock, self.now())
+            now = self.now()
+            if back_to_back and now - self._sim_clock <= CATCH_UP_WALL_S * self.time_scale:
+                start = max(self._sim_clock, *(request.arrival_time for request, _ in step.scheduled))
+            else:
+                start = max(self._sim_clock, now)
             if back_to_back:
                 self._note_lag(start - self._sim_clock)
             back_to_back = True

@@ -25,12 +25,23 @@ Constants and sources:
 - gpu_memory_utilization 0.9 (vLLM default), 4 GB reserved for activations and CUDA graphs.
 
 `cpu-tiny` is not a roofline: it mimics the 3.3 M-parameter Qwen3-VL built by `kvroute make-tiny-model`
-on vLLM CPU with 2 cores (shared/notes/engines.md): 1000-1500 output tok/s aggregate at 8-12 concurrent
-requests, KV 4096 tokens in blocks of 128, TTFT a few tens of ms. The step constants were fitted to
-`bench/sim_vs_vllm_cpu.py` against the real worker (decode step ~5.0 ms + ~0.35 ms per sequence there):
-4.5 ms per step, 0.3 ms per sequence and the weights read once per step (0.3 ms) give one sequence
-~195 tok/s, 8 decoding sequences 8 / 7.5 ms = ~1070 tok/s, 12 about 1360 tok/s; a 200-token prompt's
-first token comes after ~15 ms.
+on vLLM CPU (shared/notes/engines.md): KV 4096 tokens in blocks of 128. vLLM binds its engine to one
+of the 2 cores and leaves the other to the API server. Fitted to vLLM's own /metrics with
+`python -m bench.sim_vs_vllm_cpu` (best of 3 rounds, 2026-11-29; real / sim, ms):
+    mean inter-token gap, 1 stream         4.1 / 4.0
+    mean inter-token gap, 8 streams        5.5 / 5.5  (closed loop: includes the prefill steps)
+    engine TTFT, 1 stream, ~250 tokens    17-20 / 19
+    engine TTFT, 8 streams, ~150 tokens   41-64 / 44-61
+    prefill (1 request, vLLM's prefill-time histogram): 35 tokens 9.4 ms, 274 tokens 14.9 ms,
+    1301 tokens 52.8 ms; the formula gives 7.3, 12.7 and 49.9 ms.
+Constants: 3.4 ms per step and 0.17 ms per sequence (decode: 3.9 ms alone, 5.3 ms for 8); 3 ms more
+per sequence with a prompt chunk; 100 GFLOP/s over the 1.0 M weights a token passes through and
+4 x layers x hidden FLOPs per attention pair (0.02 ms per prompt token, plus the quadratic part);
+an API front end of 3 ms + 6 us per prompt token per request, one request at a time (vLLM's TTFT
+minus its prefill time). Idle machine: ~240 tok/s for one stream, ~1250 tok/s for 8 in a closed loop.
+The client-side figures of the real server swing far more than the engine's: on the shared host its
+API server at times delivers a whole stream in one burst at the end (client TTFT ~270 ms where the
+engine's is 20 ms; 770-1240 tok/s at 8 clients), which the sim does not model.
 
 Derived KV capacities: h100-qwen3-vl-8b 342,068 tokens (144 KiB each), h200-qwen3-vl-32b 214,157 tokens
 (256 KiB each); one decode step alone takes ~8.6 ms and ~19.5 ms respectively (1000 tokens of context).
@@ -68,8 +79,15 @@ class Preset:
     bw_efficiency: float
     step_overhead_s: float
     per_seq_overhead_s: float
+    # extra host work for a sequence with a prompt chunk in the step (input and position setup, prefix
+    # hashing); negligible next to a GPU's prefill, a large part of a tiny model's on a CPU
+    prefill_seq_overhead_s: float = 0.0
+    # the API server's work on a request before the engine sees it (chat template, tokenizer, multimodal
+    # processor), one request after another: a burst of arrivals reaches the scheduler staggered
+    frontend_s: float = 0.0
+    frontend_s_per_prompt_token: float = 0.0
 
-    def with_overrides(self, **overrides: int | None) -> Preset:
+    def with_overrides(self, **overrides: float | None) -> Preset:
         """A copy with the non-None fields replaced (command-line flags win over the preset)."""
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
@@ -112,11 +130,14 @@ def builtin_presets() -> dict[str, Preset]:
             name="cpu-tiny", served_model_name="qwen3-vl-tiny",
             kv_capacity_tokens=4096, block_size=128, max_num_seqs=16, max_num_batched_tokens=2048,
             max_model_len=4096,
-            llm_params=3.3e6, vit_params=1.0e6, weight_bytes=6.6e6,
+            # llm_params: the 1.0 M weights a token passes through (4 layers x 246 K); the other 2.3 M of
+            # the checkpoint are embeddings (a lookup), the LM head (sampled tokens only) and the ViT
+            llm_params=1.0e6, vit_params=1.0e6, weight_bytes=6.6e6,
             kv_bytes_per_token=_kv_bytes_per_token(4, 2, 64), num_layers=4, hidden_size=128,
-            # effective CPU numbers: 100 GFLOP/s and 20 GB/s put a 500-token prefill near 40 ms
+            # effective rates of the one core vLLM binds its engine to (see the docstring)
             hbm_bandwidth=20e9, peak_flops=100e9, mfu=1.0, bw_efficiency=1.0,
-            step_overhead_s=0.0045, per_seq_overhead_s=0.0003,
+            step_overhead_s=0.0034, per_seq_overhead_s=0.00017, prefill_seq_overhead_s=0.003,
+            frontend_s=0.003, frontend_s_per_prompt_token=6e-6,
         ),
     ]
     return {p.name: p for p in presets}

@@ -53,3 +53,30 @@ async def test_a_stalled_engine_produces_nothing_until_released():
         assert (await asyncio.wait_for(queue.get(), 5)).text
     finally:
         await engine.stop()
+
+
+async def test_a_burst_passes_the_api_front_end_one_request_at_a_time():
+    """cpu-tiny models vLLM's API server: each request is tokenized before the engine sees it, in turn."""
+    preset = get_preset("cpu-tiny")
+    engine = SimEngine(preset, time_scale=10.0)
+    engine.start()
+    try:
+        requests = [SimRequest(f"r{i}", Prompt(list(range(100 * i, 100 * i + 100))), 2) for i in range(4)]
+        queues = [engine.submit(r) for r in requests]
+        for queue in queues:
+            while not (await asyncio.wait_for(queue.get(), 10)).finished:
+                pass
+        aborted = SimRequest("gone", Prompt(list(range(100))), 2)
+        engine.submit(aborted)
+        engine.abort(aborted)  # the client leaves while the front end has the request
+        await asyncio.sleep(3 * preset.frontend_s / engine.time_scale)
+    finally:
+        await engine.stop()
+    front_end = preset.frontend_s + preset.frontend_s_per_prompt_token * 100
+    prefill = step_time_s(preset, StepWork(prefill_tokens=100, prefill_seqs=1, kv_tokens_read=100,
+                                           attention_pairs=100 * 101 // 2))
+    for k, request in enumerate(requests):
+        assert request.first_token_time - request.arrival_time >= (k + 1) * front_end
+    assert requests[0].first_token_time - requests[0].arrival_time >= front_end + prefill
+    assert requests[0].first_token_time < requests[-1].first_token_time  # not all in one prefill step
+    assert not engine.scheduler.has_work() and aborted.status == RequestStatus.ABORTED and engine.kv.usage == 0.0

@@ -106,7 +106,9 @@ def read_metrics_from(response: httpx.Response) -> dict[str, float]:
 
 async def test_metrics_agree_with_engine_state_at_every_step():
     """In-process: the engine is stepped by hand and /metrics is rendered after every step."""
-    preset = get_preset("cpu-tiny").with_overrides(kv_capacity_tokens=1024, max_num_seqs=4)
+    # no front-end delay: it runs on the engine's loop, and this test steps the scheduler by hand
+    preset = get_preset("cpu-tiny").with_overrides(kv_capacity_tokens=1024, max_num_seqs=4,
+                                                   frontend_s=0.0, frontend_s_per_prompt_token=0.0)
     server = SimServer(preset, "m")
     engine = server.engine
     rng = random.Random(7)
