@@ -60,6 +60,16 @@ def _guard_preexec(parent_pid: int) -> None:
         os._exit(1)
 
 
+async def _read_log_line(stream: asyncio.StreamReader) -> bytes:
+    """The next line of engine output; b"" at the end. asyncio drops a line over the reader's 64 KiB
+    limit (vLLM can log whole prompts) and raises; a relay that died of it would stop draining the
+    pipe, and the engine would block on its next write. So say what was dropped and go on."""
+    try:
+        return await stream.readline()
+    except ValueError:
+        return b"[kvroute: an engine log line over 64 KiB was dropped]\n"
+
+
 async def spawn_guarded(cmd: list[str], env: dict[str, str], stop_grace_s: float) -> asyncio.subprocess.Process:
     """Start `cmd` under backends.engines.guard; returns the guard process (stdout piped, stderr merged)."""
     parent = os.getpid()
@@ -164,7 +174,7 @@ class Supervisor:
         # Opening may touch a slow disk: off the loop. The writes are small buffered appends.
         log_file = await asyncio.to_thread(open, self.log_path, "ab", 64 * 1024)
         with log_file:
-            while line := await self.proc.stdout.readline():
+            while line := await _read_log_line(self.proc.stdout):
                 log_file.write(line)
                 text = line.decode(errors="replace").rstrip()
                 if self.engine_pgid is None and text.startswith(ENGINE_PID_LINE):
