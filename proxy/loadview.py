@@ -94,9 +94,6 @@ class WorkerLoad:
         self._uncount(dispatch)
 
     # --- views --------------------------------------------------------------------------
-    def has_reading(self) -> bool:
-        return self.reading is not None
-
     def projected_kv_usage(self, now: float) -> float:
         """KV usage the worker will have once what the proxy already sent it is admitted."""
         if self.reading is None:

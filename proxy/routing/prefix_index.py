@@ -59,12 +59,3 @@ class PrefixIndex:
                 blocks.move_to_end(block_hash)
         while len(blocks) > self.max_blocks:
             blocks.popitem(last=False)
-
-    def forget_worker(self, worker_id: str) -> None:
-        """Drop a removed worker everywhere (O(index size); called on removal only)."""
-        empty = []
-        for block_hash, holders in self._blocks.items():
-            if holders.pop(worker_id, None) is not None and not holders:
-                empty.append(block_hash)
-        for block_hash in empty:
-            del self._blocks[block_hash]
