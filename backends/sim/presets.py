@@ -27,21 +27,22 @@ Constants and sources:
 `cpu-tiny` is not a roofline: it mimics the 3.3 M-parameter Qwen3-VL built by `kvroute make-tiny-model`
 on vLLM CPU (shared/notes/engines.md): KV 4096 tokens in blocks of 128. vLLM binds its engine to one
 of the 2 cores and leaves the other to the API server. Fitted to vLLM's own /metrics with
-`python -m bench.sim_vs_vllm_cpu` (best of 3 rounds, 2026-11-29; real / sim, ms):
-    mean inter-token gap, 1 stream         4.1 / 4.0
-    mean inter-token gap, 8 streams        5.5 / 5.5  (closed loop: includes the prefill steps)
-    engine TTFT, 1 stream, ~250 tokens    17-20 / 19
-    engine TTFT, 8 streams, ~150 tokens   41-64 / 44-61
-    prefill (1 request, vLLM's prefill-time histogram): 35 tokens 9.4 ms, 274 tokens 14.9 ms,
-    1301 tokens 52.8 ms; the formula gives 7.3, 12.7 and 49.9 ms.
+`python -m bench.sim_vs_vllm_cpu` (best of 3 rounds, two runs on 2026-11-29; real / sim, ms):
+    mean inter-token gap, 1 stream           4.1-4.3 / 4.0
+    mean inter-token gap, 8 streams          5.5 / 5.5  (closed loop: includes the prefill steps)
+    engine TTFT, 1 stream, ~250 tokens      17-20 / 19
+    engine TTFT, 8 streams, ~150 tokens     41-64 / 44-61 (per round)
+    prefill alone (vLLM's prefill-time histogram): 35 tokens 9.4, 274 tokens 14.9, 1301 tokens
+    52.8; the formula gives 7.3, 12.7 and 49.9.
 Constants: 3.4 ms per step and 0.17 ms per sequence (decode: 3.9 ms alone, 5.3 ms for 8); 3 ms more
 per sequence with a prompt chunk; 100 GFLOP/s over the 1.0 M weights a token passes through and
 4 x layers x hidden FLOPs per attention pair (0.02 ms per prompt token, plus the quadratic part);
 an API front end of 3 ms + 6 us per prompt token per request, one request at a time (vLLM's TTFT
-minus its prefill time). Idle machine: ~240 tok/s for one stream, ~1250 tok/s for 8 in a closed loop.
-The client-side figures of the real server swing far more than the engine's: on the shared host its
-API server at times delivers a whole stream in one burst at the end (client TTFT ~270 ms where the
-engine's is 20 ms; 770-1240 tok/s at 8 clients), which the sim does not model.
+minus its prefill time). The sim then serves one stream at ~235 tok/s and 8 at ~1250 tok/s
+(closed loop, 64-token answers), client TTFT ~20 ms alone and 50-80 ms for a burst of 8.
+The real server's client-side figures swing far more than its engine's: on the shared host its
+API server delivers 40-80% of streams late, in one burst at the end (client TTFT p50 140-290 ms
+where the engine's is 20 ms; 890-1240 tok/s at 8 clients). The sim does not model that.
 
 Derived KV capacities: h100-qwen3-vl-8b 342,068 tokens (144 KiB each), h200-qwen3-vl-32b 214,157 tokens
 (256 KiB each); one decode step alone takes ~8.6 ms and ~19.5 ms respectively (1000 tokens of context).
