@@ -14,6 +14,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 from pydantic import ValidationError
+from yarl import URL
 
 from proxy.config import ProxyConfig
 from proxy.errors import error_response
@@ -65,6 +66,9 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
             reg = WorkerRegistration.model_validate_json(await request.read())
         except ValidationError as exc:
             return _invalid(exc)
+        if not _is_worker_url(reg.url):
+            return error_response(400, f"`url` must be http(s)://host[:port], got {reg.url!r}.", param="url",
+                                  code="invalid_url")
         worker = registry.register(reg)
         log.info("registered %s at %s serving %s", worker.worker_id, worker.url, ",".join(worker.models))
         return _json(RegistrationAccepted(worker_id=worker.worker_id).model_dump())
@@ -110,7 +114,7 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
     async def nodes_add(request: web.Request) -> web.Response:
         body = await _json_body(request)
         url = body.get("url") if isinstance(body, dict) else None
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        if not isinstance(url, str) or not _is_worker_url(url):
             return error_response(400, "`url` (http://host:port) is required.", param="url")
         status = body.get("status") if isinstance(body.get("status"), dict) else {}
         listed = status.get("models")
@@ -168,6 +172,16 @@ async def _json_body(request: web.Request) -> object:
         return orjson.loads(raw)
     except orjson.JSONDecodeError:
         return None
+
+
+def _is_worker_url(url: str) -> bool:
+    """An absolute http(s) URL with a usable host and port: anything else fails every request later."""
+    try:
+        parsed = URL(url)
+        host, port = parsed.host, parsed.port
+    except ValueError:  # port out of range, broken IPv6 literal
+        return False
+    return parsed.scheme in ("http", "https") and bool(host) and " " not in (host or "") and port is not None
 
 
 def _json(body: object, status: int = 200) -> web.Response:

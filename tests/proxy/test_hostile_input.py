@@ -168,3 +168,13 @@ def test_a_5xx_whose_body_breaks_off_is_retried_on_another_worker(fleet, procs):
         assert resp.status_code == 200, resp.text
         served_by.add(resp.headers["x-kvroute-worker"])
     assert served_by == {"good"}
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "not a url", "http://[::1", "ftp://host:21", "http://"])
+def test_a_worker_url_that_cannot_work_is_refused_at_registration(fleet, url):
+    fleet.start_proxy()
+    resp = fleet.http.post(fleet.url + "/workers", json={"url": url, "models": ["m1"], "worker_id": "w"})
+    assert resp.status_code == 400 and error_of(resp)["param"] == "url"
+    resp = fleet.http.post(fleet.url + "/nodes/add", json={"url": url, "status": {"models": ["m1"]}})
+    assert resp.status_code == 400 and error_of(resp)["param"] == "url"
+    assert fleet.workers() == []
