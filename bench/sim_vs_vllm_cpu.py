@@ -138,11 +138,13 @@ async def scrape(url: str) -> dict[str, float]:
 async def measure_round(url: str, args: argparse.Namespace, round_no: int) -> dict[str, Any]:
     gen = LoadGenerator(url)
     # new prompts every round (an engine's prefix cache would otherwise serve later rounds), the
-    # same ones for both engines
+    # same ones for both engines, and of the same length in every round (numbers of as many digits:
+    # 6 at c=1, 4 when loaded with the defaults) so that the best of the rounds compares like with like
     m0 = await scrape(url)
     single_run = await gen.closed_loop(workload(12, args.max_tokens, 20_000 + 100 * round_no), 1)
     m1 = await scrape(url)
-    loaded_run = await gen.closed_loop(workload(args.requests, args.max_tokens, 1000 * round_no), args.concurrency)
+    loaded_specs = workload(args.requests, args.max_tokens, 150 + args.requests * round_no)
+    loaded_run = await gen.closed_loop(loaded_specs, args.concurrency)
     m2 = await scrape(url)
     single, loaded = summarize(single_run), summarize(loaded_run)
     streams = [r for r in single_run.results + loaded_run.results if r.ok and r.ttft_s is not None]
