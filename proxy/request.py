@@ -9,7 +9,9 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,13 +236,21 @@ def _completion_features(payload: dict[str, Any], chain: _PrefixChain) -> tuple[
             chain.add_text(raw)
             return len(raw), 0, 0
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            chain.add_text(b",".join(b"%d" % t for t in prompt))
+            chain.add_text(_hashed_token_bytes(prompt))
             return len(prompt) * BYTES_PER_TOKEN, 0, 0
         if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
-            flat = [t for p in prompt for t in p]
-            chain.add_text(b",".join(b"%d" % t for t in flat))
-            return len(flat) * BYTES_PER_TOKEN, 0, 0
+            chain.add_text(_hashed_token_bytes(itertools.chain.from_iterable(prompt)))
+            return sum(map(len, prompt)) * BYTES_PER_TOKEN, 0, 0
     raise bad_request("`prompt` is required: a string, an array of strings, or token ids.", "prompt")
+
+
+# The chain reads at most MAX_PREFIX_BLOCKS * PREFIX_BLOCK_BYTES bytes and each id writes at least
+# two ("1,"): ids past this many cannot change a hash, so a 10M-id prompt is not formatted whole.
+_MAX_HASHED_TOKEN_IDS = MAX_PREFIX_BLOCKS * PREFIX_BLOCK_BYTES // 2 + 1
+
+
+def _hashed_token_bytes(ids: Iterable[int]) -> bytes:
+    return b",".join(b"%d" % t for t in itertools.islice(ids, _MAX_HASHED_TOKEN_IDS))
 
 
 def _media_locator(part: dict[str, Any], part_type: str) -> str:
