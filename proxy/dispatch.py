@@ -36,6 +36,9 @@ _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 # points back at a proxy of this chain, and the request would otherwise circle until it times out.
 VIA_HEADER = "x-kvroute-via"
 MAX_VIA_HOPS = 8
+# Bodies larger than this are parsed in a worker thread: validating a 32 MB prompt of token ids is
+# a second of Python that would otherwise stall every other request on the loop.
+PARSE_IN_THREAD_BYTES = 1024 * 1024
 # Distinct requested model names (served, aliases, typos) that get their own metrics label.
 MAX_MODEL_LABELS = 64
 
@@ -84,7 +87,11 @@ class Dispatcher:
         try:
             self._refuse_loop(request.headers.get(VIA_HEADER, ""))
             body = await self._read_body(request)
-            routed = parse_request(body, kind, request.headers.get("x-session-id"))
+            session = request.headers.get("x-session-id")
+            if len(body) > PARSE_IN_THREAD_BYTES:
+                routed = await asyncio.to_thread(parse_request, body, kind, session)
+            else:
+                routed = parse_request(body, kind, session)
             model_label = self._label_for_requested_model(routed.model)
             served = self.resolve_model(routed.model)
             model_label = served
