@@ -15,6 +15,7 @@ at all (not reporting, /metrics unreadable) falls back to the proxy's own in-fli
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -156,6 +157,8 @@ def parse_engine_metrics(text: str) -> EngineReading | None:
         try:
             value = float(rest.split()[0])
         except (ValueError, IndexError):
+            continue
+        if not math.isfinite(value):  # NaN/+Inf are valid Prometheus text, but int() of them raises
             continue
         if name in _USAGE:
             usage = max(usage or 0.0, value)

@@ -10,6 +10,7 @@ import pytest
 
 from proxy.dispatch import MAX_MODEL_LABELS
 from proxy.errors import ProxyError
+from proxy.loadview import parse_engine_metrics
 from proxy.request import CHAT, parse_request
 from tests.support.procs import free_port, wait_http_ok
 
@@ -178,3 +179,12 @@ def test_a_worker_url_that_cannot_work_is_refused_at_registration(fleet, url):
     resp = fleet.http.post(fleet.url + "/nodes/add", json={"url": url, "status": {"models": ["m1"]}})
     assert resp.status_code == 400 and error_of(resp)["param"] == "url"
     assert fleet.workers() == []
+
+
+def test_nan_or_inf_samples_in_a_workers_metrics_are_skipped_not_raised():
+    text = ("vllm:kv_cache_usage_perc{model_name=\"m\"} 0.25\n"
+            "vllm:num_requests_running{model_name=\"m\"} NaN\n"
+            "vllm:num_requests_waiting{model_name=\"m\"} +Inf\n")
+    reading = parse_engine_metrics(text)
+    assert reading is not None and reading.kv_usage == 0.25
+    assert (reading.num_running, reading.num_waiting) == (0, 0)
