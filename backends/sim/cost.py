@@ -33,7 +33,7 @@ def step_time_s(preset: Preset, work: StepWork) -> float:
     compute = 2 x LLM params per token + 4 x layers x hidden per attention pair
               + 8 x ViT params per image token (4 patches per merged token, 2 FLOPs per param)
     memory  = all weights once + KV tokens read x KV bytes per token
-    time    = fixed overhead + per-sequence overhead + per-prefill-sequence overhead
+    time    = fixed overhead + per-sequence overhead + prefill overhead (if any prompt tokens)
               + max(compute / (peak x mfu), memory / (bw x eff))
     """
     tokens = work.num_seqs_tokens
@@ -47,4 +47,4 @@ def step_time_s(preset: Preset, work: StepWork) -> float:
     memory_s = memory_bytes / (preset.hbm_bandwidth * preset.bw_efficiency)
     num_seqs = work.decode_seqs + work.prefill_seqs
     return (preset.step_overhead_s + preset.per_seq_overhead_s * num_seqs
-            + preset.prefill_seq_overhead_s * work.prefill_seqs + max(compute_s, memory_s))
+            + (preset.prefill_step_overhead_s if work.prefill_seqs else 0.0) + max(compute_s, memory_s))

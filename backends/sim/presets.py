@@ -33,13 +33,14 @@ of the 2 cores and leaves the other to the API server. Fitted to vLLM's own /met
     engine TTFT, 1 stream, ~250 tokens      17-20 / 19
     engine TTFT, 8 streams, ~150 tokens     41-64 / 44-61 (per round)
     prefill alone (vLLM's prefill-time histogram): 35 tokens 9.4, 274 tokens 14.9, 1301 tokens
-    52.8; the formula gives 7.3, 12.7 and 49.9.
-Constants: 3.4 ms per step and 0.17 ms per sequence (decode: 3.9 ms alone, 5.3 ms for 8); 3 ms more
-per sequence with a prompt chunk; 100 GFLOP/s over the 1.0 M weights a token passes through and
-4 x layers x hidden FLOPs per attention pair (0.02 ms per prompt token, plus the quadratic part);
-an API front end of 3 ms + 6 us per prompt token per request, one request at a time (vLLM's TTFT
-minus its prefill time). The sim then serves one stream at ~235 tok/s and 8 at ~1250 tok/s
-(closed loop, 64-token answers), client TTFT ~20 ms alone and 50-80 ms for a burst of 8.
+    52.8; the formula gives 9.3, 14.8 and 51.4.
+Constants: 3.4 ms per step and 0.17 ms per sequence (decode: 3.9 ms alone, 5.3 ms for 8); 5 ms more
+for a step with prompt tokens, once per step (per prompt it would make a burst of 8 cost 8 x that,
+where the real engine gives a burst of 8 a client TTFT p50 of 33 ms at best); 100 GFLOP/s over
+the 1.0 M weights a token passes through and 4 x layers x hidden FLOPs per attention pair (0.02 ms
+per prompt token, plus the quadratic part); an API front end of 1 ms + 6 us per prompt token per
+request, one request at a time, so that a burst of 8 reaches the engine over ~15 ms. The sim then
+serves one stream at ~235 tok/s and 8 at ~1250 tok/s (closed loop, 64-token answers).
 The real server's client-side figures swing far more than its engine's: on the shared host its
 API server delivers 40-80% of streams late, in one burst at the end (client TTFT p50 140-290 ms
 where the engine's is 20 ms; 890-1240 tok/s at 8 clients). The sim does not model that.
@@ -80,9 +81,10 @@ class Preset:
     bw_efficiency: float
     step_overhead_s: float
     per_seq_overhead_s: float
-    # extra host work for a sequence with a prompt chunk in the step (input and position setup, prefix
-    # hashing); negligible next to a GPU's prefill, a large part of a tiny model's on a CPU
-    prefill_seq_overhead_s: float = 0.0
+    # extra host work of a step that computes any prompt tokens (prefill input and metadata setup), once
+    # per step however many prompts it holds; negligible next to a GPU's prefill, a large part of a
+    # tiny model's on a CPU
+    prefill_step_overhead_s: float = 0.0
     # the API server's work on a request before the engine sees it (chat template, tokenizer, multimodal
     # processor), one request after another: a burst of arrivals reaches the scheduler staggered
     frontend_s: float = 0.0
@@ -137,8 +139,8 @@ def builtin_presets() -> dict[str, Preset]:
             kv_bytes_per_token=_kv_bytes_per_token(4, 2, 64), num_layers=4, hidden_size=128,
             # effective rates of the one core vLLM binds its engine to (see the docstring)
             hbm_bandwidth=20e9, peak_flops=100e9, mfu=1.0, bw_efficiency=1.0,
-            step_overhead_s=0.0034, per_seq_overhead_s=0.00017, prefill_seq_overhead_s=0.003,
-            frontend_s=0.003, frontend_s_per_prompt_token=6e-6,
+            step_overhead_s=0.0034, per_seq_overhead_s=0.00017, prefill_step_overhead_s=0.005,
+            frontend_s=0.001, frontend_s_per_prompt_token=6e-6,
         ),
     ]
     return {p.name: p for p in presets}

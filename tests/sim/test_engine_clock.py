@@ -58,10 +58,10 @@ async def test_a_stalled_engine_produces_nothing_until_released():
 async def test_a_burst_passes_the_api_front_end_one_request_at_a_time():
     """cpu-tiny models vLLM's API server: each request is tokenized before the engine sees it, in turn."""
     preset = get_preset("cpu-tiny")
-    engine = SimEngine(preset, time_scale=10.0)
+    engine = SimEngine(preset, time_scale=1.0)  # real time: each request's front end spans several timer ticks
     engine.start()
     try:
-        requests = [SimRequest(f"r{i}", Prompt(list(range(100 * i, 100 * i + 100))), 2) for i in range(4)]
+        requests = [SimRequest(f"r{i}", Prompt(list(range(600 * i, 600 * i + 600))), 2) for i in range(4)]
         queues = [engine.submit(r) for r in requests]
         for queue in queues:
             while not (await asyncio.wait_for(queue.get(), 10)).finished:
@@ -72,9 +72,9 @@ async def test_a_burst_passes_the_api_front_end_one_request_at_a_time():
         await asyncio.sleep(3 * preset.frontend_s / engine.time_scale)
     finally:
         await engine.stop()
-    front_end = preset.frontend_s + preset.frontend_s_per_prompt_token * 100
-    prefill = step_time_s(preset, StepWork(prefill_tokens=100, prefill_seqs=1, kv_tokens_read=100,
-                                           attention_pairs=100 * 101 // 2))
+    front_end = preset.frontend_s + preset.frontend_s_per_prompt_token * 600
+    prefill = step_time_s(preset, StepWork(prefill_tokens=600, prefill_seqs=1, kv_tokens_read=600,
+                                           attention_pairs=600 * 601 // 2))
     for k, request in enumerate(requests):
         assert request.first_token_time - request.arrival_time >= (k + 1) * front_end
     assert requests[0].first_token_time - requests[0].arrival_time >= front_end + prefill
