@@ -27,11 +27,11 @@ Constants and sources:
 `cpu-tiny` is not a roofline: it mimics the 3.3 M-parameter Qwen3-VL built by `kvroute make-tiny-model`
 on vLLM CPU (shared/notes/engines.md): KV 4096 tokens in blocks of 128. vLLM binds its engine to one
 of the 2 cores and leaves the other to the API server. Fitted to vLLM's own /metrics with
-`python -m bench.sim_vs_vllm_cpu` (best of 3 rounds, two runs on 2026-11-29; real / sim, ms):
-    mean inter-token gap, 1 stream           4.1-4.3 / 4.0
-    mean inter-token gap, 8 streams          5.5 / 5.5  (closed loop: includes the prefill steps)
-    engine TTFT, 1 stream, ~250 tokens      17-20 / 19
-    engine TTFT, 8 streams, ~150 tokens     41-64 / 44-61 (per round)
+`python -m bench.sim_vs_vllm_cpu` (vLLM's figures over 5 runs of 3 rounds on 2026-11-29; real / sim, ms):
+    mean inter-token gap, 1 stream           3.8-4.3 / 3.9-4.2
+    mean inter-token gap, 8 streams          5.4-6.3 / 5.5-5.7  (closed loop: includes prefill steps)
+    engine TTFT, 1 stream, ~250 tokens      15-21 / 19 (the sim counts ~300 tokens)
+    engine TTFT, 8 streams, ~160 tokens     30-61 / 44-46
     prefill alone (vLLM's prefill-time histogram): 35 tokens 9.4, 274 tokens 14.9, 1301 tokens
     52.8; the formula gives 9.3, 14.8 and 51.4.
 Constants: 3.4 ms per step and 0.17 ms per sequence (decode: 3.9 ms alone, 5.3 ms for 8); 5 ms more
