@@ -238,20 +238,36 @@ class Supervisor:
             return None
 
     async def _drain(self) -> None:
-        """Tell the proxy we drain, then wait (bounded) until the engine has nothing in flight."""
+        """Tell the proxy we drain, then wait (bounded) until the engine has nothing in flight.
+
+        "Nothing" must hold on two reads in a row: a request can sit between the proxy and the
+        engine's scheduler for a moment. A read that fails (a busy host) is retried, not taken as idle.
+        """
         log.info("draining (grace %.0fs)", self.args.drain_grace_s)
         if self.reporter and self.reporter.registered.is_set():
             await self.reporter.set_state("draining")
         deadline = time.monotonic() + self.args.drain_grace_s
+        idle_reads = 0
         while time.monotonic() < deadline and self.proc and self.proc.returncode is None:
-            try:
-                load = await self.read_load()
-            except (TimeoutError, aiohttp.ClientError):
-                break
-            if load.num_running + load.num_waiting == 0:
+            busy = await self._busy_requests()
+            idle_reads = idle_reads + 1 if busy == 0 else 0
+            if idle_reads >= 2:
                 return
             await asyncio.sleep(0.25)
-        log.warning("drain grace over; stopping the engine with work in flight")
+        if self.proc and self.proc.returncode is None:
+            log.warning("drain grace over; stopping the engine with work in flight")
+
+    async def _busy_requests(self) -> int | None:
+        """Requests the engine still has: its HTTP in-flight count, else scheduler running + waiting."""
+        assert self.session
+        try:
+            count = await self.adapter.in_flight(self.session, self.local_url)
+            if count is not None:
+                return count
+            load = await self.adapter.read_load(self.session, self.local_url)
+            return load.num_running + load.num_waiting
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            return None
 
     async def _stop_engine(self) -> None:
         """SIGTERM the guard: it stops the engine group (SIGKILL after the grace) and exits."""

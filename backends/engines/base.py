@@ -55,6 +55,12 @@ class EngineAdapter(Protocol):
 
     async def read_load(self, session: aiohttp.ClientSession, base_url: str) -> Load: ...
 
+    async def in_flight(self, session: aiohttp.ClientSession, base_url: str) -> int | None:
+        """Requests the engine's HTTP server is handling now (streams included), or None if it cannot say.
+
+        Drain waits on this: the engine's scheduler gauges miss requests still in its API layer.
+        """
+
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')

@@ -103,5 +103,8 @@ class TurbomindAdapter:
         if FALLBACK_MARKER in line:
             self._engine = "pytorch"
 
+    async def in_flight(self, session: aiohttp.ClientSession, base_url: str) -> int | None:
+        return None  # LMDeploy's api_server has no such count: drain falls back to running + waiting
+
     async def read_load(self, session: aiohttp.ClientSession, base_url: str) -> Load:
         return projected_load(parse_samples(await fetch_metrics(session, base_url), METRIC_NAMES))

@@ -86,7 +86,9 @@ class VllmAdapter:
         if launch.gpus and not launch.has_arg("--tensor-parallel-size", "-tp"):
             cmd += ["--tensor-parallel-size", str(len(launch.gpus))]
         if not launch.has_arg("--disable-access-log-for-endpoints", "--disable-uvicorn-access-log"):
-            cmd += ["--disable-access-log-for-endpoints", "/metrics"]  # our 4 Hz reads would drown the log
+            cmd += ["--disable-access-log-for-endpoints", "/metrics,/load"]  # our 4 Hz reads would drown the log
+        if not launch.has_arg("--enable-server-load-tracking"):
+            cmd += ["--enable-server-load-tracking"]  # GET /load: in-flight HTTP requests, for drain
         return cmd + list(launch.engine_args)
 
     def environment(self, launch: EngineLaunch, base: Mapping[str, str]) -> dict[str, str]:
@@ -100,6 +102,14 @@ class VllmAdapter:
 
     def observe_log_line(self, line: str) -> None:
         return None
+
+    async def in_flight(self, session: aiohttp.ClientSession, base_url: str) -> int | None:
+        """vLLM's own count of requests in its API server (`GET /load`, --enable-server-load-tracking)."""
+        async with session.get(base_url + "/load") as resp:
+            if resp.status != 200:
+                return None
+            value = (await resp.json()).get("server_load")
+        return int(value) if isinstance(value, int | float) else None
 
     def load_from_metrics(self, text: str) -> Load:
         samples = parse_samples(text, METRIC_NAMES)

@@ -218,14 +218,19 @@ def test_killed_engine_is_reported_failed_and_traffic_moves_to_the_other(fleet):
 def test_sigterm_drains_in_flight_work_then_stops_the_engine(fleet):
     worker_id = "vllm-b"
     supervisor, port = fleet.workers[worker_id]
+    engine = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
     with ThreadPoolExecutor(1) as pool:
-        in_flight = pool.submit(chat, fleet, "Write a very long letter.", 1000)
-        wait_until(lambda: (fleet.workers_view()[worker_id]["last_report"] or {}).get("num_running", 0) >= 1,
-                   30, 0.05, "the long request to run on the worker")
+        # Straight to this worker's engine, so the request is known to be there when SIGTERM comes;
+        # ~1900 tokens keep it running for several seconds even on a quiet machine.
+        in_flight = pool.submit(engine.chat.completions.create, model=MODEL, max_tokens=1900,
+                                messages=[{"role": "user", "content": "Write a very long letter."}],
+                                extra_body={"ignore_eos": True})
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/load", timeout=2).json()["server_load"] >= 1,
+                   30, 0.02, "the long request to reach the engine")
         supervisor.signal(signal.SIGTERM)
         wait_until(lambda: "draining" in supervisor.log(), 10, what="the supervisor to start draining")
         # Stopping the engine now would cut the request short; draining lets it finish.
-        assert in_flight.result(timeout=120).parse().usage.completion_tokens == 1000
+        assert in_flight.result(timeout=120).usage.completion_tokens == 1900
     assert supervisor.popen.wait(60) == 0
     assert worker_id not in fleet.workers_view()  # deregistered on the way out
     wait_until(lambda: engine_pid(port) is None, 10, what="the engine to be stopped")
