@@ -176,16 +176,32 @@ class Upstream:
                 return ForwardResult(response, status, first_byte_at, worker_failed=True, client_gone=client_gone)
             if not chunk:
                 break
-            try:
-                await response.write(chunk)
-            except ConnectionResetError:
+            if not await _write_or_drop(client, response, chunk, idle_s):
                 return ForwardResult(response, status, first_byte_at, client_gone=True)
             ends_clean = chunk.endswith(b"\n\n")
-        try:
-            await response.write_eof()
-        except ConnectionResetError:
+        if not await _write_or_drop(client, response, None, idle_s):
             return ForwardResult(response, status, first_byte_at, client_gone=True)
         return ForwardResult(response, status, first_byte_at)
+
+
+async def _write_or_drop(client: web.Request, response: web.StreamResponse, data: bytes | None,
+                         timeout_s: float) -> bool:
+    """Write a chunk (None: end the response). False when the client left, or stopped reading for
+    `timeout_s` (a stalled reader must not hold the worker's slot forever): its connection is closed."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            if data is None:
+                await response.write_eof()
+            else:
+                await response.write(data)
+        return True
+    except ConnectionResetError:
+        return False
+    except TimeoutError:
+        log.warning("client stopped reading for %.0fs; dropping its stream", timeout_s)
+        if client.transport is not None:
+            client.transport.abort()
+        return False
 
 
 async def _end_stream_with_error(response: web.StreamResponse, ends_clean: bool, reason: str) -> bool:

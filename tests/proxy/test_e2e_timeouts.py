@@ -73,3 +73,28 @@ def test_health_ready_and_metrics(fleet):
                    f'kvroute:worker_queue{{worker="{sim.worker_id}"}}',
                    f'kvroute:worker_state{{state="ready",worker="{sim.worker_id}"}} 1.0'):
         assert needle in text, needle
+
+
+def test_a_client_that_stops_reading_a_stream_is_dropped_after_the_idle_timeout(fleet):
+    """A stalled reader must not hold a worker's slot forever: after idle_s of blocked writes the proxy
+    drops the client, cancels the upstream request and its in-flight count returns to 0."""
+    import socket
+
+    fleet.start_proxy(config=IDLE_TIMEOUT)
+    (sim,) = fleet.start_sims(1, time_scale=50.0, extra=("--preset", "h100-qwen3-vl-8b"))
+    body = orjson.dumps({"model": "m1", "stream": True, "max_tokens": 30000, "ignore_eos": True,
+                         "messages": [{"role": "user", "content": "hi"}]})
+    host, port = fleet.url.removeprefix("http://").split(":")
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window fills fast
+    try:
+        reader.connect((host, int(port)))
+        reader.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        fleet.wait_workers(lambda ws: ws[0]["in_flight"] == 1, what="the stream to start")
+        # ~30000 SSE chunks (megabytes) cannot fit in the socket buffers; nobody reads them.
+        fleet.wait_workers(lambda ws: ws[0]["in_flight"] == 0, timeout=60, what="the stalled client to be dropped")
+        state = httpx.get(sim.url + "/sim/state", timeout=5).json()
+        assert state["num_running"] == 0 and state["num_waiting"] == 0  # the worker stopped generating
+    finally:
+        reader.close()
