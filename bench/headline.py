@@ -25,9 +25,11 @@ def _is_peer(route: str) -> bool:
 
 
 def overhead_rows(rows: list[dict[str, Any]], workload: str = "stream") -> list[list[str]]:
+    from bench.overhead import direct_baseline
+
     cell = [r for r in rows if r["workload"] == workload]
-    direct = next((r for r in cell if r["route"] == "direct"), None)
-    if direct is None:
+    direct = direct_baseline(cell)
+    if not direct:
         return []
 
     def line(r: dict[str, Any], label: str) -> list[str]:

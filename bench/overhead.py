@@ -76,14 +76,18 @@ def run_cell(fleet: Fleet, kind: str, policy: str, w: Workload, model: str, warm
     try:
         targets: str | list[str] = fleet.urls if router is None else router.url
         warm = Workload(w.name, warmup, w.concurrency, w.max_tokens, w.stream)
-        asyncio.run(_measure(targets, make_specs(warm, model, seed=1), w.concurrency))
+        # fresh prompts for every cell (and its warm-up): the sim caches prefixes, and a cell that
+        # replayed an earlier cell's prompts ran ~30 ms faster to first token (measured)
+        cell_seed = random.Random(f"{kind}:{policy}:{w.name}:{time.time()}").getrandbits(48)
+        asyncio.run(_measure(targets, make_specs(warm, model, seed=cell_seed + 1), w.concurrency))
         before = fleet.metrics()
         cpu0 = router.tree.cpu_seconds() if router else 0.0
-        run = asyncio.run(_measure(targets, make_specs(w, model), w.concurrency))
+        run = asyncio.run(_measure(targets, make_specs(w, model, seed=cell_seed), w.concurrency))
         cpu1 = router.tree.cpu_seconds() if router else 0.0
         after = fleet.metrics()
         row = summarize(run)
-        row.update(route=f"{kind}:{policy}" if router else "direct", workload=w.name,
+        row.update(route=f"{kind}:{policy}" if router else ("direct" if not policy else "direct (again)"),
+                   workload=w.name,
                    cpu_us_per_req=(cpu1 - cpu0) / max(1, row["ok"]) * 1e6 if router else None,
                    rss_mb=router.tree.rss_bytes() / 2**20 if router else None,
                    spread=_spread(before, after),
@@ -95,18 +99,30 @@ def run_cell(fleet: Fleet, kind: str, policy: str, w: Workload, model: str, warm
             router.stop()
 
 
+BASELINE_KEYS = ("lat_p50", "lat_p99", "ttft_p50", "ttft_p99")
+
+
+def direct_baseline(cell: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Mean of the direct runs (first and last cell of a workload, so drift during the run cancels)."""
+    direct = [r for r in cell if r["route"].startswith("direct")]
+    if not direct:
+        return None
+    return {k: sum(r[k] for r in direct) / len(direct) for k in BASELINE_KEYS if all(r[k] is not None for r in direct)}
+
+
 def render(rows: list[dict[str, Any]], sizes: str) -> str:
     out = [f"# Router overhead over direct calls\n\n{environment_note()}\n\n{sizes}\n",
-           "Added latency/TTFT = router's percentile minus direct's (client-side round robin) in the same run. "
+           "Added latency/TTFT = router's percentile minus direct's (client-side round robin; mean of a direct "
+           "run before and after the routers) in the same run. "
            "CPU = router process tree utime+stime (/proc, children included) per successful request. "
            "Spread = (max - min) / mean of requests served per worker (workers' vllm:request_success_total).\n"]
     for wl in dict.fromkeys(r["workload"] for r in rows):
         cell = [r for r in rows if r["workload"] == wl]
-        base = next((r for r in cell if r["route"] == "direct"), None)
+        base = direct_baseline(cell)
 
-        def added(r: dict[str, Any], key: str, base: dict[str, Any] | None = base) -> str:
-            if not base or r[key] is None or base[key] is None or r is base:
-                return "0" if r is base else "-"
+        def added(r: dict[str, Any], key: str, base: dict[str, float] | None = base) -> str:
+            if not base or r[key] is None or key not in base:
+                return "-"
             return ms(r[key] - base[key], signed=True)
 
         table = [[r["route"], r["ok"], r["failed"], r["rejected"], fmt(r["req_per_s"], digits=0),
@@ -139,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_peers:
         wanted = set(args.peers.split(","))
         routes += [r for r in PEER_ROUTES if r[0] in wanted]
+    routes.append(("direct", "again"))
     chosen = [w for w in workloads(args.scale) if w.name in args.workloads.split(",")]
     log_dir = Path(__file__).resolve().parent / ".runs" / f"overhead-{int(time.time())}"
     model = "m"

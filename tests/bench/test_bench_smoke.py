@@ -61,11 +61,11 @@ def test_overhead_smoke_produces_table_with_no_failed_requests(procs, tmp_path):
     md_files = list(tmp_path.glob("*-overhead.md"))
     assert len(md_files) == 1
     md = md_files[0].read_text()
-    rows = _table_rows(md, r"direct|kvroute:kv_aware")
-    assert len(rows) == 4, md  # two routes x two workloads
+    rows = _table_rows(md, r"direct|direct \(again\)|kvroute:kv_aware")
+    assert len(rows) == 6, md  # direct, kvroute, direct again x two workloads
     rows_json = json.loads(next(tmp_path.glob("*-overhead.json")).read_text())
     assert {(r["route"], r["workload"]) for r in rows_json} == {
-        ("direct", "stream"), ("kvroute:kv_aware", "stream"), ("direct", "nonstream"), ("kvroute:kv_aware", "nonstream")}
+        (route, wl) for route in ("direct", "kvroute:kv_aware", "direct (again)") for wl in ("stream", "nonstream")}
     for r in rows_json:
         assert r["failed"] == 0 and r["rejected"] == 0, r
         assert r["ok"] == r["requests"] == 100
