@@ -14,8 +14,8 @@ def procs(tmp_path, request) -> Iterator[ProcessGroup]:
     """Start processes with `procs.start(...)`; all are stopped by PID when the test ends."""
     group = ProcessGroup(tmp_path)
     yield group
-    failed = getattr(request.node, "rep_call", None)
-    if failed is not None and failed.failed:
+    reports = (getattr(request.node, "rep_setup", None), getattr(request.node, "rep_call", None))
+    if any(r is not None and r.failed for r in reports):
         print(group.logs())
     group.stop_all()
 

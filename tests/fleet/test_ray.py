@@ -3,6 +3,7 @@ its share of a custom resource that stands in for GPUs, and its sim worker regis
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -36,6 +37,15 @@ def _cmdline_pids(needle: str) -> list[int]:
     return found
 
 
+def _listening_or_dead(head, port: int) -> bool:
+    """True once the Ray head listens on `port`, or has exited (then waiting longer is pointless)."""
+    if not head.alive():
+        return True
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 @pytest.fixture
 def ray_cluster(procs, monkeypatch):
     """A one-node Ray cluster with 4 `fake_gpu`, every port free-picked; stopped by PID at the end."""
@@ -46,29 +56,30 @@ def ray_cluster(procs, monkeypatch):
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     # Ray puts unix sockets under its temp dir: keep the path short.
     temp_dir = tempfile.mkdtemp(prefix="kvr-ray-", dir="/tmp")
-    port = free_port()
-    ports = {flag: str(free_port()) for flag in (
-        "--ray-client-server-port", "--dashboard-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
-        "--metrics-export-port", "--runtime-env-agent-port", "--node-manager-port", "--object-manager-port")}
-    low = free_port()
-    head = procs.start([RAY, "start", "--head", "--block", "--port", str(port), "--node-ip-address", "127.0.0.1",
-                        "--num-cpus", "2", "--num-gpus", "0", "--resources", json.dumps({"fake_gpu": 4}),
-                        "--include-dashboard", "false", "--temp-dir", temp_dir, "--disable-usage-stats",
-                        "--min-worker-port", str(low), "--max-worker-port", str(low + 20),
-                        *[x for kv in ports.items() for x in kv]], name="ray-head")
+    head = None
+    for _attempt in range(3):  # a free-picked port can be taken again before Ray binds it: retry
+        port = free_port()
+        ports = {flag: str(free_port()) for flag in (
+            "--ray-client-server-port", "--dashboard-port", "--dashboard-agent-listen-port",
+            "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port",
+            "--node-manager-port", "--object-manager-port")}
+        low = free_port()
+        head = procs.start([RAY, "start", "--head", "--block", "--port", str(port), "--node-ip-address", "127.0.0.1",
+                            "--num-cpus", "2", "--num-gpus", "0", "--resources", json.dumps({"fake_gpu": 4}),
+                            "--include-dashboard", "false", "--temp-dir", temp_dir, "--disable-usage-stats",
+                            "--min-worker-port", str(low), "--max-worker-port", str(low + 20),
+                            *[x for kv in ports.items() for x in kv]], name="ray-head")
 
-    def gcs_up() -> bool:
-        with socket.socket() as s:
-            s.settimeout(0.5)
-            return s.connect_ex(("127.0.0.1", port)) == 0
+        wait_until(lambda h=head, p=port: _listening_or_dead(h, p), 120, 0.2, "the Ray head to listen")
+        if head.alive():
+            break
     try:
-        wait_until(gcs_up, 90, 0.2, "the Ray head to listen")
+        assert head is not None and head.alive(), f"the Ray head did not start:\n{head.log()[-3000:] if head else ''}"
         yield f"127.0.0.1:{port}"
     finally:
-        try:  # Ray's graceful stop takes long on 2 cores and nothing here needs it
+        # Ray's graceful stop takes long on 2 cores and nothing here needs it; procs also stops every head
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(head.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         for pid in _cmdline_pids(temp_dir):  # Ray workers that left the group
             try:
                 os.kill(pid, signal.SIGKILL)
