@@ -73,15 +73,19 @@ def test_kv_aware_keeps_a_long_shared_prompt_on_one_worker_while_balanced():
     assert len(picks) == 1
 
 
-def test_kv_aware_lets_go_of_the_prefix_when_its_worker_is_much_fuller():
+def test_kv_aware_lets_go_of_the_prefix_when_its_worker_is_much_busier():
     policy = make_policy("kv_aware", deps())
     a, b = worker("a", 0.2), worker("b", 0.2)
     system = "Shared instructions. " * 200
     first = dispatch(policy, [a, b], request("q0", system=system)).worker
     other = b if first is a else a
-    first.load.record_reading(EngineReading(0.75, 10, 0, 100_000), NOW + 1, "report")
+    # A fully cached 1000-token prefix is worth a whole cache of KV usage (PREFIX_WEIGHT 1.0), so
+    # fuller KV alone keeps it until the high-water mark; KV plus a long queue outweighs it.
+    first.load.record_reading(EngineReading(0.6, 10, 0, 100_000), NOW + 1, "report")
     other.load.record_reading(EngineReading(0.2, 0, 0, 100_000), NOW + 1, "report")
-    assert policy.select([a, b], request("q1", system=system), NOW + 1).worker is other
+    assert policy.select([a, b], request("q1", system=system), NOW + 1).worker is first
+    first.load.record_reading(EngineReading(0.6, 10, 40, 100_000), NOW + 2, "report")
+    assert policy.select([a, b], request("q2", system=system), NOW + 2).worker is other
 
 
 def test_kv_aware_counts_queued_requests():
