@@ -258,16 +258,20 @@ class Supervisor:
             log.warning("drain grace over; stopping the engine with work in flight")
 
     async def _busy_requests(self) -> int | None:
-        """Requests the engine still has: its HTTP in-flight count, else scheduler running + waiting."""
+        """Requests the engine still has: the larger of its HTTP in-flight count (if it keeps one) and
+        its scheduler's running + waiting; None when neither can be read."""
         assert self.session
         try:
-            count = await self.adapter.in_flight(self.session, self.local_url)
-            if count is not None:
-                return count
             load = await self.adapter.read_load(self.session, self.local_url)
-            return load.num_running + load.num_waiting
         except (TimeoutError, aiohttp.ClientError, ValueError):
             return None
+        busy = load.num_running + load.num_waiting
+        try:
+            in_http = await self.adapter.in_flight(self.session, self.local_url)
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            in_http = None
+        # vLLM's counter can drift below zero after aborted requests; then it says nothing useful.
+        return max(busy, in_http) if in_http is not None and in_http >= 0 else busy
 
     async def _stop_engine(self) -> None:
         """SIGTERM the guard: it stops the engine group (SIGKILL after the grace) and exits."""

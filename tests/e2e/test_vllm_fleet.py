@@ -23,6 +23,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
+from backends.engines.vllm import VllmAdapter
 from tests.support.procs import KVROUTE, REPO, Proc, ProcessGroup, free_port, wait_http_ok, wait_until
 
 pytestmark = [
@@ -107,6 +108,12 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
         raise
     finally:
         group.stop_all()
+
+
+def running_on_engine(port: int) -> int:
+    """Requests the vLLM engine on `port` is running, read from its own /metrics."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+    return VllmAdapter().load_from_metrics(text).num_running
 
 
 def client(fleet: Fleet) -> OpenAI:
@@ -225,8 +232,12 @@ def test_sigterm_drains_in_flight_work_then_stops_the_engine(fleet):
         in_flight = pool.submit(engine.chat.completions.create, model=MODEL, max_tokens=1900,
                                 messages=[{"role": "user", "content": "Write a very long letter."}],
                                 extra_body={"ignore_eos": True})
-        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/load", timeout=2).json()["server_load"] >= 1,
-                   30, 0.02, "the long request to reach the engine")
+
+        def started() -> bool:
+            if in_flight.done():
+                in_flight.result()  # a request that failed shows its error in the timeout message
+            return running_on_engine(port) >= 1
+        wait_until(started, 30, 0.02, "the long request to run on the engine")
         supervisor.signal(signal.SIGTERM)
         wait_until(lambda: "draining" in supervisor.log(), 10, what="the supervisor to start draining")
         # Stopping the engine now would cut the request short; draining lets it finish.

@@ -105,6 +105,13 @@ def test_prefix_policy_follows_the_prefix_and_yields_to_imbalance():
     assert policy.select([a, b], request("other q", system=system), NOW).worker is not first
 
 
+def test_prefix_policy_spreads_unrelated_prompts_between_reports():
+    policy = make_policy("prefix", deps())
+    a, b = worker("a", 0.10), worker("b", 0.12)  # a reported a little less KV in use
+    chosen = [dispatch(policy, [a, b], request(f"unrelated question number {i}")).worker for i in range(10)]
+    assert chosen.count(a) == 5 and chosen.count(b) == 5  # by in-flight, not all onto the lower report
+
+
 def test_session_policy_is_sticky_and_moves_only_the_removed_workers_sessions():
     policy = make_policy("session", deps())
     workers = [worker(f"w{i}") for i in range(4)]
