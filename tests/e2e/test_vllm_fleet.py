@@ -15,7 +15,6 @@ import io
 import os
 import signal
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,6 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from backends.engines.vllm import VllmAdapter
 from tests.support.procs import KVROUTE, REPO, Proc, ProcessGroup, free_port, wait_http_ok, wait_until
 
 pytestmark = [
@@ -108,12 +106,6 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
         raise
     finally:
         group.stop_all()
-
-
-def running_on_engine(port: int) -> int:
-    """Requests the vLLM engine on `port` is running, read from its own /metrics."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
-    return VllmAdapter().load_from_metrics(text).num_running
 
 
 def client(fleet: Fleet) -> OpenAI:
@@ -226,22 +218,17 @@ def test_sigterm_drains_in_flight_work_then_stops_the_engine(fleet):
     worker_id = "vllm-b"
     supervisor, port = fleet.workers[worker_id]
     engine = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-    with ThreadPoolExecutor(1) as pool:
-        # Straight to this worker's engine, so the request is known to be there when SIGTERM comes;
-        # ~1900 tokens keep it running for several seconds even on a quiet machine.
-        in_flight = pool.submit(engine.chat.completions.create, model=MODEL, max_tokens=1900,
-                                messages=[{"role": "user", "content": "Write a very long letter."}],
-                                extra_body={"ignore_eos": True})
-
-        def started() -> bool:
-            if in_flight.done():
-                in_flight.result()  # a request that failed shows its error in the timeout message
-            return running_on_engine(port) >= 1
-        wait_until(started, 30, 0.02, "the long request to run on the engine")
-        supervisor.signal(signal.SIGTERM)
-        wait_until(lambda: "draining" in supervisor.log(), 10, what="the supervisor to start draining")
-        # Stopping the engine now would cut the request short; draining lets it finish.
-        assert in_flight.result(timeout=120).usage.completion_tokens == 1900
+    # Straight to this worker's engine, streamed: the first chunk proves the request is running there.
+    stream = engine.chat.completions.create(
+        model=MODEL, max_tokens=1900, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "Write a very long letter."}], extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    supervisor.signal(signal.SIGTERM)
+    wait_until(lambda: "draining" in supervisor.log(), 10, what="the supervisor to start draining")
+    # Stopping the engine now would cut the stream short; draining lets it finish.
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert usage and usage[-1].completion_tokens == 1900
     assert supervisor.popen.wait(60) == 0
     assert worker_id not in fleet.workers_view()  # deregistered on the way out
     wait_until(lambda: engine_pid(port) is None, 10, what="the engine to be stopped")
