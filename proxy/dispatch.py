@@ -14,12 +14,14 @@ import re
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.config import FleetConfig
 from proxy.errors import ProxyError, error_response, model_not_found, no_healthy_worker
+from proxy.loadview import Dispatch
 from proxy.metrics import ProxyMetrics
 from proxy.registry import Registry, Worker
 from proxy.request import RoutedRequest, parse_request
@@ -63,6 +65,17 @@ class _AdmissionQueue:
 
     def __init__(self) -> None:
         self.waiting = 0
+
+
+@dataclass(slots=True)
+class InFlight:
+    """One upstream attempt between Dispatcher.begin() and Dispatcher.end()."""
+
+    decision: Decision
+    policy: Policy
+    routed: RoutedRequest
+    dispatch: Dispatch
+    sent_at: float  # time.monotonic()
 
 
 class Dispatcher:
@@ -148,7 +161,7 @@ class Dispatcher:
         last_failure: RetryableFailure | None = None
         last_worker: Worker | None = None
         for attempt in range(self.proxy_config.retries + 1):
-            decision = await self._pick(policy, routed, served, tried, first_attempt=attempt == 0)
+            decision = await self.pick(policy, routed, served, tried, first_attempt=attempt == 0)
             if decision is None:
                 break
             worker = decision.worker
@@ -177,17 +190,29 @@ class Dispatcher:
     async def _forward_once(self, worker: Worker, decision: Decision, policy: Policy, routed: RoutedRequest,
                             path: str, body: bytes, headers: CIMultiDict[str], request: web.Request,
                             response_headers: dict[str, str]) -> ForwardResult | RetryableFailure:
-        now = self.registry.clock()
-        load = worker.load
-        dispatch = load.start_request(decision.kv_tokens, now)
-        policy.on_dispatch(decision, routed, now)
+        ticket = self.begin(decision, policy, routed)
+        outcome: ForwardResult | RetryableFailure | None = None
         try:
-            return await self.upstream.forward(worker, path, body, headers, request, response_headers,
-                                               routed.stream)
+            outcome = await self.upstream.forward(worker, path, body, headers, request, response_headers,
+                                                  routed.stream)
+            return outcome
         finally:
             # Every path (success, worker failure, client disconnect/cancel) lands here exactly once.
-            load.finish_request(dispatch)
-            self.registry.notify_changed()
+            first_byte_at = outcome.first_byte_at if isinstance(outcome, ForwardResult) else None
+            self.end(ticket, first_byte_at)
+
+    # --- the seam the data plane calls: decision, then begin/end around each upstream attempt ---
+    def begin(self, decision: Decision, policy: Policy, routed: RoutedRequest) -> InFlight:
+        """The request goes to decision.worker now: start its accounting. Pass the result to end()."""
+        now = self.registry.clock()
+        dispatch = decision.worker.load.start_request(decision.kv_tokens, now)
+        policy.on_dispatch(decision, routed, now)
+        return InFlight(decision, policy, routed, dispatch, time.monotonic())
+
+    def end(self, ticket: InFlight, first_byte_at: float | None) -> None:
+        """One upstream attempt is over, whatever the outcome; call exactly once per begin()."""
+        ticket.decision.worker.load.finish_request(ticket.dispatch)
+        self.registry.notify_changed()
 
     def _record(self, served: str, worker: Worker, outcome: ForwardResult, started: float) -> None:
         if outcome.worker_failed:
@@ -222,7 +247,7 @@ class Dispatcher:
                               headers={**headers, "Retry-After": "1"})
 
     # --- choosing, with admission control ---------------------------------------------------
-    async def _pick(self, policy: Policy, routed: RoutedRequest, served: str, tried: set[str],
+    async def pick(self, policy: Policy, routed: RoutedRequest, served: str, tried: set[str],
                     first_attempt: bool) -> Decision | None:
         """A decision; None when no untried worker is left; ProxyError 503/429 when none can take it."""
         candidates = self.registry.candidates(served, exclude=tried)
