@@ -35,6 +35,8 @@ class Timeouts(_Strict):
     connect_s: float = Field(5.0, gt=0)
     first_byte_s: float = Field(300.0, gt=0, description="request sent -> first response byte")
     idle_s: float = Field(120.0, gt=0, description="longest silence between two streamed chunks")
+    total_s: float | None = Field(3600.0, gt=0, description="non-streamed request sent -> whole answer received; "
+                                                             "null: no limit")
 
 
 class AdmissionQueue(_Strict):
