@@ -15,9 +15,10 @@ at all (not reporting, /metrics unreadable) falls back to the proxy's own in-fli
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
+
+from proxy import promtext
 
 # A reading arriving this long after a dispatch already shows that request (as KV use or as
 # num_waiting): one report interval of network + engine scheduling slack.
@@ -30,13 +31,14 @@ DEFAULT_CAPACITY_TOKENS = 32768
 
 
 class Dispatch:
-    """One request sent to a worker: its KV estimate, and whether it still counts as pending."""
+    """One request sent to a worker: its KV and prefill estimates, and whether it still counts as pending."""
 
-    __slots__ = ("at", "kv_tokens", "pending")
+    __slots__ = ("at", "kv_tokens", "prefill_tokens", "pending")
 
-    def __init__(self, at: float, kv_tokens: int) -> None:
+    def __init__(self, at: float, kv_tokens: int, prefill_tokens: int = 0) -> None:
         self.at = at
         self.kv_tokens = kv_tokens
+        self.prefill_tokens = prefill_tokens
         self.pending = True
 
 
@@ -55,7 +57,8 @@ class WorkerLoad:
     """Load bookkeeping for one worker; cheap enough to consult on every routing decision."""
 
     __slots__ = ("capacity_tokens", "reading", "reading_at", "reading_source", "_pending", "_pending_tokens",
-                 "_pending_count", "in_flight", "in_flight_tokens", "dispatched_total")
+                 "_pending_count", "_pending_prefill", "in_flight", "in_flight_tokens", "dispatched_total",
+                 "finished_since_reading")
 
     def __init__(self, capacity_tokens: int | None = None) -> None:
         self.capacity_tokens = capacity_tokens or DEFAULT_CAPACITY_TOKENS
@@ -65,9 +68,13 @@ class WorkerLoad:
         self._pending: deque[Dispatch] = deque()
         self._pending_tokens = 0
         self._pending_count = 0
+        self._pending_prefill = 0
         self.in_flight = 0
         self.in_flight_tokens = 0
         self.dispatched_total = 0
+        # requests the newest reading already counted that have finished since: each one let the
+        # engine admit one of the requests it reported waiting
+        self.finished_since_reading = 0
 
     # --- events -------------------------------------------------------------------------
     def record_reading(self, reading: EngineReading, now: float, source: str) -> None:
@@ -76,22 +83,26 @@ class WorkerLoad:
         self.reading_source = source
         if reading.capacity_tokens:
             self.capacity_tokens = reading.capacity_tokens
+        self.finished_since_reading = 0
         self._forget_before(now - DISPATCH_VISIBLE_AFTER_S)
 
-    def start_request(self, kv_tokens: int, now: float) -> Dispatch:
+    def start_request(self, kv_tokens: int, now: float, prefill_tokens: int = 0) -> Dispatch:
         """A request was sent to this worker; hand the result to finish_request exactly once."""
         self.in_flight += 1
         self.in_flight_tokens += kv_tokens
         self.dispatched_total += 1
-        dispatch = Dispatch(now, kv_tokens)
+        dispatch = Dispatch(now, kv_tokens, prefill_tokens)
         self._pending.append(dispatch)
         self._pending_tokens += kv_tokens
         self._pending_count += 1
+        self._pending_prefill += prefill_tokens
         return dispatch
 
     def finish_request(self, dispatch: Dispatch) -> None:
         self.in_flight -= 1
         self.in_flight_tokens -= dispatch.kv_tokens
+        if not dispatch.pending:
+            self.finished_since_reading += 1
         self._uncount(dispatch)
 
     # --- views --------------------------------------------------------------------------
@@ -112,11 +123,37 @@ class WorkerLoad:
     def pending_requests(self) -> int:
         return self._pending_count
 
+    def pending_kv_tokens(self, now: float) -> int:
+        """KV tokens of requests sent since the newest reading (or in flight, without a reading)."""
+        if self.reading is None:
+            return self.in_flight_tokens
+        self._forget_before(now - DISPATCH_FORGET_AFTER_S)
+        return self._pending_tokens
+
+    def pending_prefill_tokens(self, now: float) -> int:
+        """Prompt tokens still to prefill of requests sent since the newest reading."""
+        self._forget_before(now - DISPATCH_FORGET_AFTER_S)
+        return self._pending_prefill
+
+    def engine_backlog(self, now: float) -> int:
+        """Requests the engine is estimated to hold waiting (not yet admitted) now.
+
+        0 while it reported none waiting (it admits what it gets); otherwise its reported waiting,
+        plus what was sent since, minus one per request of the reading that finished since (each
+        frees room for one waiter). A worker without a reading is assumed to admit.
+        """
+        reading = self.reading
+        if reading is None or reading.num_waiting == 0:
+            return 0
+        self._forget_before(now - DISPATCH_FORGET_AFTER_S)
+        return max(0, reading.num_waiting + self._pending_count - self.finished_since_reading)
+
     def _uncount(self, dispatch: Dispatch) -> None:
         if dispatch.pending:
             dispatch.pending = False
             self._pending_tokens -= dispatch.kv_tokens
             self._pending_count -= 1
+            self._pending_prefill -= dispatch.prefill_tokens
 
     def _forget_before(self, cutoff: float) -> None:
         pending = self._pending
@@ -129,68 +166,22 @@ class WorkerLoad:
 _USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "lmdeploy:gpu_cache_usage_perc")
 _RUNNING = ("vllm:num_requests_running", "lmdeploy:num_requests_running")
 _WAITING = ("vllm:num_requests_waiting", "lmdeploy:num_requests_waiting")
-_HIT_RATE = ("lmdeploy:prefix_cache_hit_rate",)
+_HIT_RATE = "lmdeploy:prefix_cache_hit_rate"
 _CACHE_INFO = "vllm:cache_config_info"
+_WANTED = (*_USAGE, *_RUNNING, *_WAITING, _HIT_RATE, _CACHE_INFO)
 
 
 def parse_engine_metrics(text: str) -> EngineReading | None:
     """Read KV usage, running/waiting counts and KV size from Prometheus text; None if absent.
 
-    Several label sets (one per served model) are combined: usage by max, counts by sum.
+    Several label sets (data-parallel ranks) combine as proxy/promtext.py rules: usage by mean,
+    counts and capacity by sum. Non-finite samples (NaN, +Inf) are left out.
     """
-    usage: float | None = None
-    running = waiting = 0
-    hit_rate = 0.0
-    capacity: int | None = None
-    for line in text.splitlines():
-        if not line.startswith(("vllm:", "lmdeploy:")):
-            continue
-        end = len(line)
-        for sep in ("{", " "):
-            idx = line.find(sep)
-            if 0 <= idx < end:
-                end = idx
-        name = line[:end]
-        if name.endswith("_created"):
-            continue
-        rest = line[line.rfind("}") + 1:] if line[end:end + 1] == "{" else line[end:]
-        try:
-            value = float(rest.split()[0])
-        except (ValueError, IndexError):
-            continue
-        if not math.isfinite(value):  # NaN/+Inf are valid Prometheus text, but int() of them raises
-            continue
-        if name in _USAGE:
-            usage = max(usage or 0.0, value)
-        elif name in _RUNNING:
-            running += int(value)
-        elif name in _WAITING:
-            waiting += int(value)
-        elif name in _HIT_RATE:
-            hit_rate = max(hit_rate, value)
-        elif name == _CACHE_INFO:
-            capacity = _capacity_from_cache_info(line) or capacity
+    metrics = promtext.parse(text, names=_WANTED)
+    usage = promtext.kv_usage(metrics, _USAGE)
     if usage is None:
         return None
-    # vLLM's name says "perc" but the value is a fraction; LMDeploy's too. Guard a true percent.
-    if usage > 1.0:
-        usage /= 100.0
-    return EngineReading(min(max(usage, 0.0), 1.0), running, waiting, capacity, hit_rate)
-
-
-def _capacity_from_cache_info(line: str) -> int | None:
-    labels = dict(_labels(line))
-    try:
-        return int(labels["block_size"]) * int(labels["num_gpu_blocks"])
-    except (KeyError, ValueError):
-        return None
-
-
-def _labels(line: str) -> list[tuple[str, str]]:
-    start, end = line.find("{"), line.rfind("}")
-    out = []
-    for item in line[start + 1:end].split(","):
-        key, _, value = item.partition("=")
-        if key:
-            out.append((key.strip(), value.strip().strip('"')))
-    return out
+    running = sum(int(metrics.total(name) or 0) for name in _RUNNING)
+    waiting = sum(int(metrics.total(name) or 0) for name in _WAITING)
+    hit_rate = metrics.mean(_HIT_RATE) or 0.0
+    return EngineReading(usage, running, waiting, promtext.kv_capacity_tokens(metrics, _CACHE_INFO), hit_rate)
