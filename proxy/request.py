@@ -59,6 +59,7 @@ class RoutedRequest:
     expected_output_tokens: int
     session_key: str | None = None
     media_count: int = 0
+    media_tokens: int = 0  # of prompt_tokens, the image/video tokens (priced with the vision encoder)
 
     @property
     def expected_kv_tokens(self) -> int:
@@ -106,7 +107,7 @@ def parse_request(body: bytes, kind: str, session_header: str | None = None) -> 
         prefix_hashes=chain.hashes, prefix_tokens=chain.cum_tokens, prompt_tokens=max(1, prompt_tokens),
         expected_output_tokens=_expected_output(payload),
         session_key=session if isinstance(session, str) and session else None,
-        media_count=media_count,
+        media_count=media_count, media_tokens=media_tokens,
     )
 
 
