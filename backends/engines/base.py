@@ -1,22 +1,18 @@
 """What an engine adapter is: how to launch one engine's OpenAI server and read its load.
 
-Owns the adapter interface, the launch description and a small Prometheus text parser;
+Owns the adapter interface and the launch description (/metrics text is parsed by proxy/promtext.py);
 it does not start processes (backends/worker.py does) nor talk to the proxy (reporter.py).
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import aiohttp
 
 from backends.reporter import Load
-
-Labels = dict[str, str]
-Samples = dict[str, list[tuple[Labels, float]]]
 
 
 @dataclass
@@ -60,44 +56,6 @@ class EngineAdapter(Protocol):
 
         Drain waits on this: the engine's scheduler gauges miss requests still in its API layer.
         """
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_samples(text: str, names: Iterable[str]) -> Samples:
-    """Samples of the named series from Prometheus text format, skipping every other line.
-
-    vLLM's /metrics is tens of kilobytes of histograms; read at 4 Hz, a full parser would
-    cost more CPU than the engine's own step on a small model, so only wanted names are parsed.
-    """
-    wanted = set(names)
-    prefixes = tuple(wanted)
-    out: Samples = {}
-    for line in text.splitlines():
-        if not line.startswith(prefixes):
-            continue
-        m = _SAMPLE.match(line)
-        if not m or m.group(1) not in wanted:
-            continue
-        try:
-            value = float(m.group(4))
-        except ValueError:
-            continue
-        labels = dict(_LABEL.findall(m.group(3) or ""))
-        out.setdefault(m.group(1), []).append((labels, value))
-    return out
-
-
-def total(samples: Samples, name: str) -> float | None:
-    values = [v for _, v in samples.get(name, [])]
-    return sum(values) if values else None
-
-
-def mean(samples: Samples, name: str) -> float | None:
-    values = [v for _, v in samples.get(name, [])]
-    return sum(values) / len(values) if values else None
 
 
 async def fetch_metrics(session: aiohttp.ClientSession, base_url: str) -> str:

@@ -33,8 +33,9 @@ from collections.abc import Mapping
 
 import aiohttp
 
-from backends.engines.base import EngineLaunch, Samples, fetch_metrics, mean, parse_samples, total
+from backends.engines.base import EngineLaunch, fetch_metrics
 from backends.reporter import Load
+from proxy import promtext
 
 KV_USAGE = "lmdeploy:gpu_cache_usage_perc"
 RUNNING = "lmdeploy:num_requests_running"
@@ -55,13 +56,13 @@ def _arg_value(args: list[str], name: str) -> str | None:
     return None
 
 
-def projected_load(samples: Samples) -> Load:
+def projected_load(metrics: promtext.Metrics) -> Load:
     """The 4 Hz load estimate described in the module docstring."""
-    gauge_usage = mean(samples, KV_USAGE) or 0.0
-    gauge_running = int(total(samples, RUNNING) or 0)
-    waiting = int(total(samples, WAITING) or 0)
-    hit_rate = mean(samples, PREFIX_HIT_RATE) or 0.0
-    first_tokens, finished = total(samples, FIRST_TOKENS), total(samples, FINISHED)
+    gauge_usage = promtext.kv_usage(metrics, [KV_USAGE]) or 0.0
+    gauge_running = int(metrics.total(RUNNING) or 0)
+    waiting = int(metrics.total(WAITING) or 0)
+    hit_rate = metrics.mean(PREFIX_HIT_RATE) or 0.0
+    first_tokens, finished = metrics.total(FIRST_TOKENS), metrics.total(FINISHED)
     if first_tokens is None or finished is None:
         return Load(gauge_usage, gauge_running, waiting, hit_rate)
     running = max(int(first_tokens - finished), 0)
@@ -107,4 +108,4 @@ class TurbomindAdapter:
         return None  # LMDeploy's api_server has no such count: drain falls back to running + waiting
 
     async def read_load(self, session: aiohttp.ClientSession, base_url: str) -> Load:
-        return projected_load(parse_samples(await fetch_metrics(session, base_url), METRIC_NAMES))
+        return projected_load(promtext.parse(await fetch_metrics(session, base_url), names=METRIC_NAMES))

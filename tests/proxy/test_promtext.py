@@ -205,3 +205,15 @@ def test_a_malformed_line_is_skipped_and_the_rest_still_read(line):
 def test_blank_padding_trailing_commas_and_empty_braces_are_accepted():
     text = '  a{x="1",} 1\nb{} 2\nc { y = "2" } 3\n'
     assert by_key(ours(text)) == by_key(reference(text))
+
+
+def test_the_proxys_scrape_and_the_workers_report_read_a_data_parallel_engine_alike():
+    from backends.engines.vllm import VllmAdapter
+    from proxy.loadview import parse_engine_metrics
+
+    scraped = parse_engine_metrics(VLLM_DP_TEXT)
+    reported = VllmAdapter().load_from_metrics(VLLM_DP_TEXT)
+    assert scraped is not None
+    assert scraped.kv_usage == reported.kv_cache_usage == pytest.approx(0.7)
+    assert scraped.capacity_tokens == reported.kv_capacity_tokens == 65536
+    assert (scraped.num_running, scraped.num_waiting) == (reported.num_running, reported.num_waiting) == (12, 3)
