@@ -6,7 +6,6 @@ scraping the workers' /metrics; it does not generate load or format results.
 
 from __future__ import annotations
 
-import re
 import socket
 import sys
 import time
@@ -15,9 +14,9 @@ from pathlib import Path
 
 from bench.peers import RunningRouter, _get, spawn, start_peer, stop_process_group, wait_ready
 from bench.procstat import ProcessTree
+from proxy import promtext
 
 KVROUTE = [sys.executable, "-m", "proxy.cli"]
-METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
 
 
 def free_port() -> int:
@@ -84,18 +83,11 @@ class Fleet:
 
 
 def scrape_metrics(base_url: str, timeout: float = 2.0) -> dict[str, float]:
+    """Sample name -> sum over its label sets (proxy/promtext.py parses); {} if /metrics fails."""
     status, body = _get(base_url + "/metrics", timeout)
-    out: dict[str, float] = {}
     if status != 200:
-        return out
-    for line in body.decode(errors="replace").splitlines():
-        m = METRIC_LINE.match(line)
-        if m:
-            try:
-                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
-            except ValueError:
-                pass
-    return out
+        return {}
+    return promtext.parse(body.decode(errors="replace")).totals()
 
 
 def _registered_workers(proxy_url: str) -> int:

@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from bench.loadgen import LoadGenerator, RequestSpec, chat_body, summarize
+from proxy import promtext
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
@@ -127,12 +128,8 @@ async def scrape(url: str) -> dict[str, float]:
     """Histogram sums and counts from /metrics, summed over label sets."""
     async with httpx.AsyncClient(timeout=5) as client:
         text = (await client.get(f"{url}/metrics")).text
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name.endswith(("_sum", "_count")) and name.startswith("vllm:"):
-            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return totals
+    totals = promtext.parse(text, prefixes=["vllm:"]).totals()
+    return {name: value for name, value in totals.items() if name.endswith(("_sum", "_count"))}
 
 
 async def measure_round(url: str, args: argparse.Namespace, round_no: int) -> dict[str, Any]:
