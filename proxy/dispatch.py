@@ -25,6 +25,7 @@ from proxy.loadview import Dispatch
 from proxy.metrics import ProxyMetrics
 from proxy.registry import Registry, Worker
 from proxy.request import RoutedRequest, parse_request
+from proxy.retry_policy import Action, Attempt, Failure, Verdict, classify
 from proxy.routing.base import Decision, Policy, PolicyDeps, make_policy
 from proxy.upstream import ForwardResult, RetryableFailure, Upstream, upstream_headers
 
@@ -158,6 +159,7 @@ class Dispatcher:
         body = routed.body_for_model(served)
         path = request.rel_url.raw_path_qs
         tried: set[str] = set()
+        statuses: list[int] = []
         last_failure: RetryableFailure | None = None
         last_worker: Worker | None = None
         for attempt in range(self.proxy_config.retries + 1):
@@ -176,13 +178,19 @@ class Dispatcher:
                 raise
             if isinstance(outcome, RetryableFailure):
                 last_failure, last_worker = outcome, worker
-                if self.registry.record_failure(worker, outcome.detail):
+                verdict = classify(attempt_of(outcome), attempt + 1, self.proxy_config.retries + 1, statuses)
+                if outcome.status is not None:
+                    statuses.append(outcome.status)
+                if verdict.counts_against_worker and self.registry.record_failure(worker, outcome.detail):
                     log.warning("circuit opened for %s after: %s", worker.worker_id, outcome.detail)
-                log.info("request %s: worker %s failed before the first byte (%s); %s", request_id,
-                         worker.worker_id, outcome.detail,
-                         "retrying" if attempt < self.proxy_config.retries else "no retries left")
-                self.metrics.retries.labels(served, outcome.reason).inc()
-                continue
+                log.info("request %s: worker %s failed before the first byte (%s): %s", request_id,
+                         worker.worker_id, outcome.detail, verdict.action.value)
+                if verdict.action is Action.RETRY:
+                    self.metrics.retries.labels(served, verdict.reason).inc()
+                    if verdict.delay_s:
+                        await asyncio.sleep(verdict.delay_s)
+                    continue
+                return self._answer_failure(served, verdict, outcome, worker, request_id)
             self._record(served, worker, outcome, started)
             return outcome.response
         return self._exhausted(served, last_failure, last_worker, request_id)
@@ -229,6 +237,17 @@ class Dispatcher:
         self.metrics.latency.labels(served).observe(end - started)
         if outcome.first_byte_at is not None:
             self.metrics.ttft.labels(served).observe(outcome.first_byte_at - started)
+
+    def _answer_failure(self, served: str, verdict: Verdict, failure: RetryableFailure, worker: Worker,
+                        request_id: str) -> web.StreamResponse:
+        """A failed attempt that retry_policy says goes back to the client (not retried)."""
+        if verdict.action in (Action.PASS_THROUGH, Action.UNAVAILABLE):
+            return self._exhausted(served, failure, worker, request_id)
+        status = verdict.status or 502
+        self.metrics.requests.labels(served, worker.worker_id, str(status)).inc()
+        err_type = "invalid_request_error" if status < 500 else "server_error"
+        return error_response(status, verdict.message or failure.detail, err_type, code=verdict.code,
+                              headers={"x-request-id": request_id, "x-kvroute-worker": worker.worker_id})
 
     def _exhausted(self, served: str, failure: RetryableFailure | None, worker: Worker | None,
                    request_id: str) -> web.StreamResponse:
@@ -317,3 +336,14 @@ def _request_id(given: str | None) -> str:
 def _too_large(limit: int) -> ProxyError:
     return ProxyError(413, f"The request body is larger than the proxy's limit of {limit} bytes.",
                       "invalid_request_error", code="request_too_large")
+
+def attempt_of(failure: RetryableFailure) -> Attempt:
+    """upstream.py's RetryableFailure in retry_policy's terms. A first-byte timeout and a body that stopped
+    mid-read happened after the worker took the request."""
+    if failure.status is not None:
+        return Attempt(status=failure.status, body=failure.body, accepted=True)
+    if failure.reason == "connect_error":
+        return Attempt(failure=Failure.CONNECT)
+    if failure.reason == "first_byte_timeout" or failure.detail.startswith("TimeoutError"):
+        return Attempt(failure=Failure.TIMEOUT, accepted=True)
+    return Attempt(failure=Failure.BROKEN, accepted=True)

@@ -29,13 +29,20 @@ def test_a_stream_that_stalls_ends_with_an_error_after_the_idle_timeout(fleet):
     fleet.wait_workers(lambda ws: ws[0]["in_flight"] == 0, what="in-flight back to 0")
 
 
-def test_a_worker_that_never_answers_is_left_for_another_after_the_first_byte_timeout(fleet):
+def test_a_worker_that_never_answers_costs_a_504_not_a_rerun_and_its_breaker_opens(fleet):
     fleet.start_proxy(config=FIRST_BYTE_TIMEOUT)
-    fleet.start_sims(1, extra=("--stall-after", "0"), prefix="stalled")
+    (stalled,) = fleet.start_sims(1, extra=("--stall-after", "0"), prefix="stalled")
+    # it took the request and may still be running it: no second worker runs it again (retry_policy)
+    alone = fleet.chat("q")
+    assert alone.status_code == 504 and alone.json()["error"]["code"] == "worker_timeout"
+    assert alone.headers["x-kvroute-worker"] == stalled.worker_id
     (good,) = fleet.start_sims(1, prefix="good")
-    responses = [fleet.chat(f"q{i}") for i in range(4)]
-    assert [r.status_code for r in responses] == [200] * 4
-    assert {r.headers["x-kvroute-worker"] for r in responses} == {good.worker_id}
+    responses = [fleet.chat(f"q{i}") for i in range(6)]
+    timeouts = [r for r in responses if r.status_code == 504]
+    assert {r.status_code for r in responses} <= {200, 504}
+    assert {r.headers["x-kvroute-worker"] for r in timeouts} <= {stalled.worker_id}
+    assert len(timeouts) <= 2  # the third timeout in a row opened its circuit breaker
+    assert responses[-1].status_code == 200 and responses[-1].headers["x-kvroute-worker"] == good.worker_id
 
 
 def test_static_workers_from_the_config_are_scraped_and_served(fleet):
