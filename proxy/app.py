@@ -23,6 +23,8 @@ from proxy.monitor import HealthMonitor
 from proxy.registry import Registry
 from proxy.routing.base import PolicyDeps
 from proxy.routing.prefix_index import PrefixIndex
+from proxy.security.clientauth import ClientAuth, client_keys_middleware
+from proxy.security.limits import LimitedTCPSite, limits_middleware, parser_limits
 from proxy.state import RedisState
 from proxy.upstream import Upstream
 
@@ -49,11 +51,13 @@ def build_app(config: FleetConfig, *, policy: str | None = None) -> web.Applicat
     upstream = Upstream(proxy_cfg.timeouts)
     metrics = ProxyMetrics(registry)
     monitor = HealthMonitor(registry, upstream)
-    dispatcher = Dispatcher(config, registry, upstream, policies, metrics)
+    client_auth = ClientAuth.from_config(config)  # raises ValueError for an unreadable key file
+    dispatcher = Dispatcher(config, registry, upstream, policies, metrics, client_auth=client_auth)
 
     # aiohttp refuses bodies over client_max_size while reading; dispatch turns that into a 413.
     app = web.Application(client_max_size=proxy_cfg.max_body_bytes,
-                          middlewares=[openai_errors, control.auth_middleware(proxy_cfg)])
+                          middlewares=[openai_errors, client_keys_middleware(client_auth),
+                                       limits_middleware(config, registry), control.auth_middleware(proxy_cfg)])
     app[REGISTRY_KEY] = registry
     app[CONFIG_KEY] = config
     app[DISPATCHER_KEY] = dispatcher
@@ -101,16 +105,17 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     if state is not None:
         await state.stop()
     await upstream.close()
+    await app[DISPATCHER_KEY].client_auth.close()
 
 
 async def serve(app: web.Application, host: str, port: int) -> None:
     """Run `app` on host:port until cancelled; then close it cleanly. Prints the bound URL."""
     # handler_cancellation: a client that disconnects cancels its handler, and with it the
     # upstream request (the worker sees the connection close and stops generating).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, **parser_limits(app[CONFIG_KEY]))
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
+        site = LimitedTCPSite(runner, host, port, app[CONFIG_KEY].proxy.limits, backlog=1024, reuse_address=True)
         await site.start()
         bound = runner.addresses[0]
         print(f"kvroute proxy listening on http://{host}:{bound[1]}", flush=True)

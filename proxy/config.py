@@ -50,6 +50,53 @@ class StaticWorker(_Strict):
     engine: Literal["vllm", "turbomind", "pytorch", "sim", "unknown"] = "unknown"
 
 
+class ApiKey(_Strict):
+    """One client API key for /v1/*: the key itself or its SHA-256, with optional allowlist and limits."""
+
+    key: str | None = Field(None, min_length=1, description="the key clients send as Authorization: Bearer KEY")
+    key_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$",
+                                   description="hex SHA-256 of the key, to keep the key itself out of the config")
+    name: str | None = Field(None, description="shown in logs and metrics instead of the key")
+    models: list[str] = Field(default_factory=list, description="models or aliases this key may use; empty: all")
+    requests_per_s: float | None = Field(None, gt=0, description="token bucket: sustained requests/s, burst of 1 s")
+    tokens_per_min: float | None = Field(None, gt=0,
+                                         description="token bucket on estimated prompt + max output tokens per min")
+
+    @model_validator(mode="after")
+    def _one_secret(self) -> ApiKey:
+        if (self.key is None) == (self.key_sha256 is None):
+            raise ValueError("give exactly one of 'key' or 'key_sha256'")
+        return self
+
+
+class RequestLimits(_Strict):
+    """Limits on one request's shape; each may be overridden per model (models[].limits)."""
+
+    max_messages: int | None = Field(None, ge=1, description="messages per chat request (default 2048)")
+    max_images: int | None = Field(None, ge=0, description="images per request (default 64)")
+    max_videos: int | None = Field(None, ge=0, description="videos per request (default 8)")
+    max_image_pixels: int | None = Field(
+        None, ge=1, description="total pixels of the images whose size the proxy can read (data: URLs); "
+                                "default 268435456 = 16 images at Qwen3-VL's 16M max_pixels")
+    max_tokens: int | None = Field(None, ge=1, description="cap on max_tokens / max_completion_tokens (default: none)")
+
+
+class ProxyLimits(RequestLimits):
+    """Limits against hostile or broken callers (defaults apply to fields left unset)."""
+
+    max_header_bytes: int = Field(32 * 1024, ge=1024, description="all request header lines together; beyond: 431")
+    max_headers: int = Field(100, ge=8, description="header fields per request; beyond: 431")
+    header_read_timeout_s: float = Field(10.0, gt=0, description="connection open -> headers complete; beyond: 408")
+    body_read_timeout_s: float = Field(60.0, gt=0, description="headers complete -> body complete; beyond: 408")
+    max_workers: int = Field(1024, ge=1, description="registered workers; further registrations get 503")
+    max_client_connections: int = Field(4096, ge=1,
+                                        description="open client connections; further ones are closed at once")
+    max_buffered_body_bytes: int = Field(512 * 1024 * 1024, ge=1024 * 1024,
+                                         description="request bodies held in memory at once, all requests together")
+    buffered_body_wait_s: float = Field(5.0, ge=0,
+                                        description="a body that does not fit waits this long for room, then 503")
+
+
 class ProxyConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -64,6 +111,11 @@ class ProxyConfig(_Strict):
     static_workers: list[StaticWorker] = Field(default_factory=list)
     drain_grace_s: float = Field(30.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    api_keys: list[ApiKey] | str | None = Field(
+        None, description="client API keys for /v1/*: a list, or a file (one key or sha256:HEX per line, or a YAML "
+                          "list of entries); also --api-keys FILE and KVROUTE_API_KEYS (comma-separated)")
+    metrics_token: str | None = Field(None, description="bearer token for GET /metrics besides any API key")
+    limits: ProxyLimits = Field(default_factory=ProxyLimits)
 
 
 class StateConfig(_Strict):
@@ -97,6 +149,8 @@ class ModelConfig(_Strict):
     policy: PolicyName | None = None
     preset: str | None = Field(None, description="sim engine: hardware/model preset")
     startup_timeout_s: float = Field(600.0, gt=0)
+    limits: RequestLimits = Field(default_factory=RequestLimits,
+                                  description="overrides proxy.limits for this model")
 
     @model_validator(mode="after")
     def _engine_needs(self) -> ModelConfig:

@@ -27,6 +27,8 @@ from proxy.registry import Registry, Worker
 from proxy.request import RoutedRequest, parse_request
 from proxy.retry_policy import Action, Attempt, Failure, Verdict, classify
 from proxy.routing.base import Decision, Policy, PolicyDeps, make_policy
+from proxy.security.clientauth import ClientAuth
+from proxy.security.limits import check_request
 from proxy.upstream import ForwardResult, RetryableFailure, Upstream, upstream_headers
 
 log = logging.getLogger("kvroute.dispatch")
@@ -83,8 +85,9 @@ class Dispatcher:
     """Serves /v1/chat/completions and /v1/completions end to end."""
 
     def __init__(self, config: FleetConfig, registry: Registry, upstream: Upstream, policies: PolicySet,
-                 metrics: ProxyMetrics) -> None:
+                 metrics: ProxyMetrics, client_auth: ClientAuth | None = None) -> None:
         self.config = config
+        self.client_auth = client_auth or ClientAuth([])
         self.proxy_config = config.proxy
         self.registry = registry
         self.upstream = upstream
@@ -99,6 +102,7 @@ class Dispatcher:
         request_id = _request_id(request.headers.get("x-request-id"))
         model_label = "unknown"
         try:
+            principal = self.client_auth.authenticate(request.headers.get("Authorization"))
             self._refuse_loop(request.headers.get(VIA_HEADER, ""))
             body = await self._read_body(request)
             session = request.headers.get("x-session-id")
@@ -109,6 +113,8 @@ class Dispatcher:
             model_label = self._label_for_requested_model(routed.model)
             served = self.resolve_model(routed.model)
             model_label = served
+            check_request(routed, self.config, served)
+            await self.client_auth.admit(principal, served, routed.expected_kv_tokens)
             return await self._route(request, routed, served, request_id, started)
         except ProxyError as exc:
             self.metrics.rejections.labels(model_label, exc.code or str(exc.status)).inc()

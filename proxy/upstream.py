@@ -20,6 +20,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from proxy.config import Timeouts
 from proxy.errors import error_body
 from proxy.registry import Worker
+from proxy.security.clientauth import CLIENT_CREDENTIAL_HEADERS
 
 log = logging.getLogger("kvroute.upstream")
 
@@ -31,6 +32,8 @@ _HOP_BY_HOP = frozenset(h.lower() for h in (
     "Transfer-Encoding", "Upgrade", "Host", "Content-Length", "Accept-Encoding",
 ))
 _NOT_RELAYED_BACK = _HOP_BY_HOP | {"date", "server", "content-length"}
+# A client's credentials are for the proxy alone: a rogue worker must not collect users' keys.
+_NOT_FORWARDED = _HOP_BY_HOP | CLIENT_CREDENTIAL_HEADERS
 # A broken upstream connection, as opposed to the client going away (ConnectionResetError on write).
 _UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 
@@ -58,10 +61,10 @@ class ForwardResult:
 
 
 def upstream_headers(client_headers: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
-    """Client headers minus hop-by-hop ones, plus the request id the worker should log."""
+    """Client headers minus hop-by-hop ones and client credentials, plus the request id the worker should log."""
     out: CIMultiDict[str] = CIMultiDict()
     for key, value in client_headers.items():
-        if key.lower() not in _HOP_BY_HOP:
+        if key.lower() not in _NOT_FORWARDED:
             out.add(key, value)
     out["x-request-id"] = request_id
     return out

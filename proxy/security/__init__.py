@@ -1,0 +1,1 @@
+"""Security of the proxy: client API keys, limits, control-plane and worker credentials."""
