@@ -29,6 +29,9 @@ class Load:
     num_waiting: int
     prefix_cache_hit_rate: float = 0.0
     kv_capacity_tokens: int | None = None  # None: keep the registration's value
+    # the engine's recent speed, when the adapter can measure it (wall-clock seconds; None: unknown)
+    prefill_tokens_per_s: float | None = None
+    decode_step_s: float | None = None
 
 
 LoadSource = Callable[[], Awaitable[Load]]
@@ -94,6 +97,7 @@ class ProxyReporter:
             kv_capacity_tokens=load.kv_capacity_tokens or self.registration.kv_capacity_tokens or 0,
             num_running=load.num_running, num_waiting=load.num_waiting,
             prefix_cache_hit_rate=min(max(load.prefix_cache_hit_rate, 0.0), 1.0),
+            prefill_tokens_per_s=load.prefill_tokens_per_s or None, decode_step_s=load.decode_step_s or None,
             seq=self._seq, sent_at=time.time(),
         )
         async with self._session.post(f"{self.proxy_url}/workers/{self.worker_id}/report",

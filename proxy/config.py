@@ -40,6 +40,8 @@ class Timeouts(_Strict):
 
 
 class AdmissionQueue(_Strict):
+    """Requests the proxy holds (every engine already queueing, or no worker started yet), per model, FIFO."""
+
     max_length: int = Field(256, ge=0, description="requests waiting per model before 429")
     max_wait_s: float = Field(30.0, gt=0, description="longest wait in the queue before 503")
 
@@ -100,12 +102,14 @@ class ProxyLimits(RequestLimits):
 class ProxyConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    policy: PolicyName = "kv_aware"
+    policy: PolicyName = "kv_cost"
     admin_token: str | None = None
     worker_token: str | None = None
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     retries: int = Field(2, ge=0, le=10)
-    kv_high_water: float = Field(0.9, gt=0, le=1.0)
+    kv_high_water: float = Field(1.0, gt=0, le=1.0, description=(
+        "1.0 (default): off. Below 1.0, hold requests while every worker's projected KV usage is at or above it: "
+        "fewer preemptions, but the engines idle while the proxy waits (see proxy/routing/admission.py)"))
     timeouts: Timeouts = Field(default_factory=Timeouts)
     queue: AdmissionQueue = Field(default_factory=AdmissionQueue)
     static_workers: list[StaticWorker] = Field(default_factory=list)

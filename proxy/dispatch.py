@@ -1,8 +1,8 @@
 """One request's journey: resolve the model, pick a worker, forward, retry, and admission control.
 
 Owns the retry loop (connect error / 5xx / 429 before the first byte -> another worker, at
-most `retries` times), the per-model admission queue when every candidate is above the KV
-high-water mark, exact in-flight accounting, and per-request metrics. Forwarding itself is
+most `retries` times), exact in-flight accounting, and per-request metrics; admission (hold or
+send) is proxy/routing/admission.py's. Forwarding itself is
 upstream.py's; choosing among candidates is the policy's.
 """
 
@@ -13,19 +13,19 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.config import FleetConfig
-from proxy.errors import ProxyError, error_response, model_not_found, no_healthy_worker
+from proxy.errors import ProxyError, error_response, model_not_found
 from proxy.loadview import Dispatch
 from proxy.metrics import ProxyMetrics
 from proxy.registry import Registry, Worker
 from proxy.request import RoutedRequest, parse_request
 from proxy.retry_policy import Action, Attempt, Failure, Verdict, classify
+from proxy.routing.admission import AdmissionController
 from proxy.routing.base import Decision, Policy, PolicyDeps, make_policy
 from proxy.security.clientauth import ClientAuth
 from proxy.security.limits import check_request
@@ -33,8 +33,6 @@ from proxy.upstream import ForwardResult, RetryableFailure, Upstream, upstream_h
 
 log = logging.getLogger("kvroute.dispatch")
 
-# While queued, re-check at least this often even without a change notification.
-QUEUE_RECHECK_S = 0.25
 # A client's x-request-id is kept only when it looks like an id: it is echoed, logged and forwarded.
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 # Each proxy adds its instance id here when forwarding; seeing its own id again means a worker URL
@@ -63,13 +61,6 @@ class PolicySet:
         return self._by_model.get(model, self.default)
 
 
-class _AdmissionQueue:
-    __slots__ = ("waiting",)
-
-    def __init__(self) -> None:
-        self.waiting = 0
-
-
 @dataclass(slots=True)
 class InFlight:
     """One upstream attempt between Dispatcher.begin() and Dispatcher.end()."""
@@ -93,7 +84,7 @@ class Dispatcher:
         self.upstream = upstream
         self.policies = policies
         self.metrics = metrics
-        self._queues: dict[str, _AdmissionQueue] = {}
+        self.admission = AdmissionController(registry, config.proxy, policies.deps.estimator)
         self._model_labels: set[str] = set()
         self.instance_id = uuid.uuid4().hex[:16]
 
@@ -219,14 +210,18 @@ class Dispatcher:
     def begin(self, decision: Decision, policy: Policy, routed: RoutedRequest) -> InFlight:
         """The request goes to decision.worker now: start its accounting. Pass the result to end()."""
         now = self.registry.clock()
-        dispatch = decision.worker.load.start_request(decision.kv_tokens, now)
+        dispatch = decision.worker.load.start_request(decision.kv_tokens, now, decision.prefill_tokens)
         policy.on_dispatch(decision, routed, now)
-        return InFlight(decision, policy, routed, dispatch, time.monotonic())
+        ticket = InFlight(decision, policy, routed, dispatch, time.monotonic())
+        self.admission.wake()  # a released waiter is placed: the next head sees this dispatch
+        return ticket
 
     def end(self, ticket: InFlight, first_byte_at: float | None) -> None:
         """One upstream attempt is over, whatever the outcome; call exactly once per begin()."""
         ticket.decision.worker.load.finish_request(ticket.dispatch)
+        ticket.policy.on_finish(ticket.decision, ticket.routed, ticket.sent_at, first_byte_at, time.monotonic())
         self.registry.notify_changed()
+        self.admission.wake()
 
     def _record(self, served: str, worker: Worker, outcome: ForwardResult, started: float) -> None:
         if outcome.worker_failed:
@@ -271,65 +266,14 @@ class Dispatcher:
                               "service_unavailable", code="no_healthy_worker",
                               headers={**headers, "Retry-After": "1"})
 
-    # --- choosing, with admission control ---------------------------------------------------
+    # --- choosing, with admission control (proxy/routing/admission.py) ---------------------
     async def pick(self, policy: Policy, routed: RoutedRequest, served: str, tried: set[str],
-                    first_attempt: bool) -> Decision | None:
-        """A decision; None when no untried worker is left; ProxyError 503/429 when none can take it."""
-        candidates = self.registry.candidates(served, exclude=tried)
-        if not candidates:
-            if first_attempt:
-                raise no_healthy_worker(served)
-            return None
-        decision = self._choose(policy, routed, candidates)
-        if decision is not None:
-            return decision
-        return await self._wait_for_room(policy, routed, served, tried)
-
-    def _choose(self, policy: Policy, routed: RoutedRequest, candidates: Sequence[Worker]) -> Decision | None:
-        now = self.registry.clock()
-        high_water = self.proxy_config.kv_high_water
-        with_room = [w for w in candidates if w.load.projected_kv_usage(now) < high_water]
-        if not with_room:
-            return None
-        return policy.select(with_room, routed, now)
-
-    async def _wait_for_room(self, policy: Policy, routed: RoutedRequest, served: str,
-                             tried: set[str]) -> Decision | None:
-        queue_cfg = self.proxy_config.queue
-        queue = self._queues.setdefault(served, _AdmissionQueue())
-        if queue.waiting >= queue_cfg.max_length:
-            raise ProxyError(429, f"Every worker for `{served}` is above the KV high-water mark and the "
-                                  f"admission queue is full ({queue_cfg.max_length}).", "rate_limit_error",
-                             code="queue_full", headers={"Retry-After": "1"})
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + queue_cfg.max_wait_s
-        queue.waiting += 1
-        try:
-            while True:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise ProxyError(503, f"Every worker for `{served}` stayed above the KV high-water mark "
-                                          f"for {queue_cfg.max_wait_s:g}s.", "service_unavailable",
-                                     code="queue_timeout",
-                                     headers={"Retry-After": str(max(1, round(queue_cfg.max_wait_s / 4)))})
-                try:
-                    await asyncio.wait_for(asyncio.shield(self.registry.changed()),
-                                           min(remaining, QUEUE_RECHECK_S))
-                except TimeoutError:
-                    pass
-                candidates = self.registry.candidates(served, exclude=tried)
-                if not candidates:
-                    if tried:
-                        return None
-                    raise no_healthy_worker(served)
-                decision = self._choose(policy, routed, candidates)
-                if decision is not None:
-                    return decision
-        finally:
-            queue.waiting -= 1
+                   first_attempt: bool) -> Decision | None:
+        """A decision; None when no untried worker is left; ProxyError 400/429/503 when none can take it."""
+        return await self.admission.admit(policy, routed, served, tried, first_attempt)
 
     def queue_lengths(self) -> dict[str, int]:
-        return {model: q.waiting for model, q in self._queues.items()}
+        return self.admission.queue_lengths()
 
 
 def _request_id(given: str | None) -> str:

@@ -62,5 +62,9 @@ class LoadReport(BaseModel):
     num_running: int = Field(..., ge=0)
     num_waiting: int = Field(..., ge=0)
     prefix_cache_hit_rate: float = Field(0.0, ge=0.0, le=1.0)
+    # Optional rates for the routing model (proxy/routing/estimator.py), in wall-clock seconds:
+    # recent prompt tokens prefilled per second of prefill work, and the recent decode step time.
+    prefill_tokens_per_s: float | None = Field(None, gt=0)
+    decode_step_s: float | None = Field(None, gt=0)
     seq: int = Field(..., ge=0, description="monotonic per worker; older reports are ignored")
     sent_at: float = Field(default_factory=time.time, description="unix seconds at the worker")

@@ -17,6 +17,7 @@ from backends.sim.cost import step_time_s
 from backends.sim.kvcache import KVCache
 from backends.sim.presets import Preset
 from backends.sim.scheduler import Scheduler, SimRequest, TokenEvent
+from backends.sim.speed import StepSpeed
 
 log = logging.getLogger("kvroute.sim.engine")
 
@@ -51,6 +52,7 @@ class SimEngine:
         self.stalled = False
         self.num_steps = 0
         self.busy_sim_s = 0.0
+        self.speed = StepSpeed()  # recent prefill rate and decode step time, for the proxy's routing model
         # simulated seconds lost because the host could not keep up between back-to-back steps;
         # benchmarks report it (a large value means the figures are the host's, not the model's)
         self.lag_sim_s = 0.0
@@ -161,6 +163,7 @@ class SimEngine:
             self._sim_clock = end
             self.num_steps += 1
             self.busy_sim_s += duration
+            self.speed.observe(step.work, duration)
             for event in self.scheduler.update(step, now=end):
                 queue = self._queues.get(event.request.request_id)
                 if queue is not None:

@@ -240,10 +240,14 @@ class SimServer:
     # ---- load for the proxy --------------------------------------------------------------------
     async def load_reading(self) -> Load:
         """The LoadSource handed to ProxyReporter: read straight from the engine, no /metrics round trip."""
-        sched = self.engine.scheduler
+        sched, speed, scale = self.engine.scheduler, self.engine.speed, self.engine.time_scale
+        # the proxy measures wall time: a simulated second lasts 1 / time_scale wall seconds
+        prefill_rate, decode_step = speed.prefill_tokens_per_s, speed.decode_step_s
         return Load(kv_cache_usage=self.engine.kv.usage, num_running=len(sched.running),
                     num_waiting=len(sched.waiting), prefix_cache_hit_rate=sched.recent_prefix_hit_rate,
-                    kv_capacity_tokens=self.engine.kv.num_blocks * self.engine.kv.block_size)
+                    kv_capacity_tokens=self.engine.kv.num_blocks * self.engine.kv.block_size,
+                    prefill_tokens_per_s=prefill_rate * scale if prefill_rate else None,
+                    decode_step_s=decode_step / scale if decode_step else None)
 
 
 def build_preset(args: argparse.Namespace) -> Preset:

@@ -15,10 +15,12 @@ from typing import ClassVar
 
 from proxy.registry import Worker
 from proxy.request import RoutedRequest
+from proxy.routing.estimator import FleetEstimator
 from proxy.routing.prefix_index import PrefixIndex
 
 # name -> "module:Class". Adding a policy: one new file and one line here.
 POLICIES: dict[str, str] = {
+    "kv_cost": "proxy.routing.kv_cost:KvCostPolicy",
     "kv_aware": "proxy.routing.kv_aware:KvAwarePolicy",
     "prefix": "proxy.routing.prefix:PrefixPolicy",
     "least_requests": "proxy.routing.least_requests:LeastRequestsPolicy",
@@ -38,14 +40,20 @@ class Decision:
     reason: str
     kv_tokens: int
     scores: dict[str, float] | None = None
+    # kv_cost: what the model predicted on the chosen worker, for learning from what happens
+    prefill_tokens: int = 0  # prompt tokens the worker is expected to compute (not in its cache)
+    media_tokens: int = 0  # of those, image/video tokens
+    predicted_queue_s: float = 0.0
+    predicted_ttft_s: float | None = None
 
 
 @dataclass
 class PolicyDeps:
-    """What policies may share: the prefix index and a random source."""
+    """What policies may share: the prefix index, the learnt per-worker parameters, a random source."""
 
     prefix_index: PrefixIndex = field(default_factory=PrefixIndex)
     rng: random.Random = field(default_factory=random.Random)
+    estimator: FleetEstimator = field(default_factory=FleetEstimator)
 
 
 class Policy(ABC):
@@ -62,6 +70,11 @@ class Policy(ABC):
 
     def on_dispatch(self, decision: Decision, request: RoutedRequest, now: float) -> None:
         """Called once the request is sent to decision.worker (hook for cache-aware policies)."""
+        return None
+
+    def on_finish(self, decision: Decision, request: RoutedRequest, sent_at: float, first_byte_at: float | None,
+                  ended_at: float) -> None:
+        """Called once the attempt is over (monotonic times; first_byte_at None: no byte came back)."""
         return None
 
     # shared helpers -----------------------------------------------------------------------

@@ -100,7 +100,8 @@ class Fleet:
 class FakeReports:
     """Reports made-up load for registered workers at 4 Hz from a thread, until stopped."""
 
-    def __init__(self, fleet: Fleet, loads: dict[str, tuple[str, float]], model: str = "m1") -> None:
+    def __init__(self, fleet: Fleet, loads: dict[str, tuple[str, float] | tuple[str, float, int]],
+                 model: str = "m1") -> None:
         self.fleet, self.loads, self.model = fleet, loads, model
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -119,10 +120,11 @@ class FakeReports:
 
     def _send(self) -> None:
         self._seq += 1
-        for worker_id, (url, usage) in self.loads.items():
+        for worker_id, (url, usage, *waiting) in self.loads.items():  # (url, usage[, requests waiting])
             self._client.post(f"{self.fleet.url}/workers/{worker_id}/report", json={
                 "worker_id": worker_id, "url": url, "models": [self.model], "engine": "sim", "state": "ready",
-                "kv_cache_usage": usage, "kv_capacity_tokens": 20000, "num_running": 0, "num_waiting": 0,
+                "kv_cache_usage": usage, "kv_capacity_tokens": 20000, "num_running": 4 if waiting else 0,
+                "num_waiting": waiting[0] if waiting else 0,
                 "seq": self._seq, "sent_at": time.time()})
 
     def _run(self) -> None:

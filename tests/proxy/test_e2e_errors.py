@@ -77,7 +77,7 @@ def test_aliases_from_the_config_reach_the_served_model_and_are_listed(fleet):
     assert models["m1"]["owned_by"] == "sim"
 
 
-def test_all_workers_above_high_water_queue_then_429_when_full_and_503_after_the_wait(fleet):
+def test_while_every_engine_is_queueing_the_proxy_holds_then_429_when_full_and_503_after_the_wait(fleet):
     fleet.start_proxy(config=CONFIG)
     (sim,) = fleet.start_sims(1, register=False)
     fleet.register("busy", sim.url)
@@ -90,7 +90,7 @@ def test_all_workers_above_high_water_queue_then_429_when_full_and_503_after_the
             second = await client.post(fleet.url + "/v1/chat/completions", json=body)
             return [await first, second]
 
-    with FakeReports(fleet, {"busy": (sim.url, 0.95)}):
+    with FakeReports(fleet, {"busy": (sim.url, 0.95, 4)}):  # the engine says 4 requests wait for room
         started = time.monotonic()
         waited, rejected = asyncio.run(two_requests())
         elapsed = time.monotonic() - started
@@ -104,7 +104,7 @@ def test_a_queued_request_is_served_once_a_worker_has_room_again(fleet):
     fleet.start_proxy(config=CONFIG)
     (sim,) = fleet.start_sims(1, register=False)
     fleet.register("busy", sim.url)
-    fleet.report("busy", sim.url, 0.95)
+    fleet.report("busy", sim.url, 0.95, waiting=4)
 
     async def request_then_free_room() -> httpx.Response:
         async with httpx.AsyncClient(timeout=30) as client:

@@ -1,0 +1,193 @@
+"""Admission: send a request now, or hold it in a per-model FIFO until a worker can start it sooner.
+
+Owns the hold rule, the event-driven queue (no polling), its bounds (429 / 503), and refusing what
+fits no worker's context (400); which worker gets a request is the policy's.
+
+Holding beats sending only with late binding: when every candidate engine is already queueing
+(WorkerLoad.engine_backlog > 0: it reported requests waiting and not as many finished since as
+were sent), a request sent now waits in that one engine's queue, while a held one goes to the
+first engine that frees room. Otherwise the request is sent at once and the engine, which
+schedules every step, queues it if it must. A completion (`wake()` from Dispatcher.end), every
+report, registration, drain or removal (a registry listener) re-checks the head of each queue, and
+each release is followed by the released request's dispatch, which re-checks the next: a queue
+moves one request per freed slot, in arrival order, and a new arrival queues behind any waiter.
+`kv_high_water` below 1.0 adds the old rule (hold while every candidate's projected KV usage is
+at or above it): it trades throughput for headroom against preemption and is off by default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from proxy.config import ProxyConfig
+from proxy.errors import ProxyError, no_healthy_worker
+from proxy.registry import Registry, Worker
+from proxy.request import CHAT, RoutedRequest
+from proxy.routing.base import Decision, Policy
+from proxy.routing.estimator import FleetEstimator
+
+log = logging.getLogger("kvroute.admission")
+
+
+class _Waiter:
+    __slots__ = ("policy", "routed", "served", "tried", "future")
+
+    def __init__(self, policy: Policy, routed: RoutedRequest, served: str, tried: set[str],
+                 future: asyncio.Future[Decision | None]) -> None:
+        self.policy = policy
+        self.routed = routed
+        self.served = served
+        self.tried = tried
+        self.future = future
+
+
+class AdmissionController:
+    """The per-model admission queues of one proxy."""
+
+    def __init__(self, registry: Registry, config: ProxyConfig, estimator: FleetEstimator | None = None) -> None:
+        self.registry = registry
+        self.config = config
+        self.estimator = estimator
+        self._queues: dict[str, deque[_Waiter]] = {}
+        self._waiting = 0
+        registry.add_listener(self._on_registry_event)
+
+    # --- the decision ------------------------------------------------------------------------
+    async def admit(self, policy: Policy, routed: RoutedRequest, served: str, tried: set[str],
+                    first_attempt: bool) -> Decision | None:
+        """A decision; None when a retry has no untried worker left; ProxyError 400/429/503 otherwise."""
+        candidates = self._fitting(served, routed, tried)
+        queue = self._queues.get(served)
+        if not queue:
+            if candidates:
+                decision = self._decide(policy, routed, candidates)
+                if decision is not None:
+                    return decision
+            elif tried or not first_attempt:
+                return None
+            elif self.registry.serves(served):
+                raise no_healthy_worker(served)
+            # else: a configured model none of whose workers has registered yet: wait for the first
+        elif not candidates and tried:
+            return None
+        return await self._hold(policy, routed, served, tried)
+
+    def _decide(self, policy: Policy, routed: RoutedRequest, candidates: Sequence[Worker]) -> Decision | None:
+        """The policy's pick, or None when holding is predicted to start the request sooner."""
+        now = self.registry.clock()
+        high_water = self.config.kv_high_water
+        if high_water < 1.0:
+            candidates = [w for w in candidates if w.load.projected_kv_usage(now) < high_water]
+            if not candidates:
+                return None
+        for worker in candidates:
+            if worker.load.engine_backlog(now) == 0:
+                return policy.select(candidates, routed, now)
+        return None  # every engine is queueing: bind late, to the first one that frees room
+
+    def _fitting(self, served: str, routed: RoutedRequest, tried: set[str]) -> list[Worker]:
+        """Candidates whose max_model_len holds the request; 400 context_length_exceeded if none does."""
+        candidates = self.registry.candidates(served, exclude=tried)
+        output = _explicit_max_tokens(routed.payload)
+        needed = routed.prompt_tokens + output
+        fits = [w for w in candidates if w.max_model_len is None or needed <= w.max_model_len]
+        if candidates and not fits:
+            limit = max(w.max_model_len or 0 for w in candidates)
+            where = "messages" if routed.kind == CHAT else "prompt"
+            raise ProxyError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                  f"{needed} tokens (about {routed.prompt_tokens} in the {where}, {output} in the "
+                                  f"completion). Please reduce the length of the {where} or completion.",
+                             "invalid_request_error", code="context_length_exceeded", param=where)
+        return fits
+
+    # --- holding -----------------------------------------------------------------------------
+    async def _hold(self, policy: Policy, routed: RoutedRequest, served: str, tried: set[str]) -> Decision | None:
+        queue_cfg = self.config.queue
+        queue = self._queues.setdefault(served, deque())
+        if len(queue) >= queue_cfg.max_length:
+            raise ProxyError(429, f"Every worker for `{served}` is busy and the admission queue is full "
+                                  f"({queue_cfg.max_length}).", "rate_limit_error", code="queue_full",
+                             headers={"Retry-After": "1"})
+        waiter = _Waiter(policy, routed, served, tried, asyncio.get_running_loop().create_future())
+        queue.append(waiter)
+        self._waiting += 1
+        released = False
+        try:
+            # the deadline is the only timer: releases come from events (see the module docstring)
+            decision = await asyncio.wait_for(asyncio.shield(waiter.future), queue_cfg.max_wait_s)
+            released = True
+            return decision
+        except TimeoutError:
+            retry_after = {"Retry-After": str(max(1, round(queue_cfg.max_wait_s / 4)))}
+            if not self.registry.serves(served):
+                raise ProxyError(503, f"No worker is serving model `{served}` yet (waited "
+                                      f"{queue_cfg.max_wait_s:g}s for one to start).", "service_unavailable",
+                                 code="no_healthy_worker", headers=retry_after) from None
+            raise ProxyError(503, f"Every worker for `{served}` stayed busy for {queue_cfg.max_wait_s:g}s.",
+                             "service_unavailable", code="queue_timeout", headers=retry_after) from None
+        finally:
+            self._waiting -= 1
+            try:
+                queue.remove(waiter)
+            except ValueError:
+                pass  # released: already off the queue
+            if not released and waiter.future.done() and not waiter.future.cancelled():
+                self.wake()  # it was given a worker it will not use: the next one may take it
+            elif not waiter.future.done():
+                waiter.future.cancel()
+
+    def wake(self) -> None:
+        """Something may have freed room: release the head of each queue that can go now."""
+        if not self._waiting:
+            return
+        for queue in self._queues.values():
+            while queue:
+                head = queue[0]
+                if head.future.done():
+                    queue.popleft()
+                    continue
+                try:
+                    candidates = self._fitting(head.served, head.routed, head.tried)
+                except ProxyError as exc:
+                    queue.popleft()
+                    head.future.set_exception(exc)
+                    continue
+                if not candidates:
+                    if head.tried:
+                        queue.popleft()
+                        head.future.set_result(None)
+                        continue
+                    break
+                decision = self._decide(head.policy, head.routed, candidates)
+                if decision is None:
+                    break
+                queue.popleft()
+                head.future.set_result(decision)
+                # one per event: the released request's begin() wakes the queue again, so the next
+                # head sees that dispatch in the worker's load before it is placed
+                break
+
+    def _on_registry_event(self, kind: str, worker: Worker, detail: Any) -> None:
+        if self.estimator is not None:
+            if kind == "report":
+                self.estimator.for_worker(worker.worker_id).observe_report(
+                    getattr(detail, "prefill_tokens_per_s", None), getattr(detail, "decode_step_s", None))
+            elif kind == "remove":
+                self.estimator.forget(worker.worker_id)
+        self.wake()
+
+    def queue_lengths(self) -> dict[str, int]:
+        return {model: len(q) for model, q in self._queues.items()}
+
+
+def _explicit_max_tokens(payload: dict[str, Any]) -> int:
+    """max_completion_tokens / max_tokens when the client gave one (vLLM adds it to the prompt's length)."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = payload.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0

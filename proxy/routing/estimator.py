@@ -1,0 +1,152 @@
+"""Online per-worker parameters of the routing model: prefill cost per token, decode step, TTFT bias.
+
+Owns learning only (recursive least squares over the proxy's own time-to-first-byte measurements,
+plus what workers report); it makes no decision (kv_cost.py does) and does no I/O.
+
+Per worker w the time to first token, once the request is at the head of w's queue, is modelled as
+
+    prefill_s(w) = bias(w) + s_tok(w) x uncached_tokens + s_vis(w) x uncached_media_tokens
+
+bias is the fixed part (HTTP, chat template, scheduling, the first step), s_tok the seconds per
+prompt token prefilled, s_vis the extra seconds per image/video token its vision encoder costs.
+theta = (bias, s_tok, s_vis) is fitted by recursive least squares with forgetting factor
+FORGET on observations  y = measured TTFB - predicted queueing delay,  x = (1, uncached,
+uncached_media), starting from PRIORS with variance PRIOR_SD^2 (so the prior acts as ridge
+regularisation until observations outweigh it). A worker that reports its own prefill rate
+(prefill_tokens_per_s) adds a pseudo-observation on s_tok; its decode step time (decode_step_s)
+is smoothed directly. `turnover_s` (first token -> completion, how long a request holds its KV)
+is an exponential average of what the proxy measures on streamed requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Priors: a mid-size model on one datacenter GPU. They only matter until a worker reports rates
+# or a few requests were measured.
+PRIOR_BIAS_S = 0.01
+PRIOR_PREFILL_TOKENS_PER_S = 10_000.0
+# The vision tower costs about 4 patches x 2 FLOPs x ViT params per merged image token, i.e. a
+# fraction of the LLM's 2 x params per token (0.28 for Qwen3-VL-8B): priced on top of prefill.
+PRIOR_VISION_EXTRA = 0.3
+PRIOR_DECODE_STEP_S = 0.02
+PRIOR_OUTPUT_TOKENS = 256
+# Prior standard deviations of theta: how far one observation may move each parameter.
+PRIOR_SD = (0.05, 2e-4, 2e-4)
+# RLS forgetting: ~1/(1-FORGET) = 50 recent observations dominate, so a worker that slows down
+# (a noisy neighbour, thermal throttling, a bigger batch) is re-learnt within a few seconds of load.
+FORGET = 0.98
+# Exponential averaging weight of a new report / measurement for directly measured quantities.
+EWMA = 0.2
+# Pseudo-observation size for a reported prefill rate (tokens): scales its weight against bias.
+REPORTED_RATE_TOKENS = 1000.0
+MIN_S_PER_TOKEN, MAX_S_PER_TOKEN = 1e-7, 1e-1
+
+
+class WorkerModel:
+    """Learnt parameters of one worker (see the module docstring)."""
+
+    __slots__ = ("theta", "cov", "decode_step_s", "turnover_s", "observations", "reported_rate",
+                 "mean_prefill_tokens", "mean_kv_tokens")
+
+    def __init__(self) -> None:
+        s_tok = 1.0 / PRIOR_PREFILL_TOKENS_PER_S
+        self.theta = [PRIOR_BIAS_S, s_tok, PRIOR_VISION_EXTRA * s_tok]
+        self.cov = [[PRIOR_SD[i] ** 2 if i == j else 0.0 for j in range(3)] for i in range(3)]
+        self.decode_step_s = PRIOR_DECODE_STEP_S
+        self.turnover_s: float | None = None
+        self.observations = 0
+        self.reported_rate = False
+        # what a request sent to this worker typically costs it (prices the ones it reports waiting)
+        self.mean_prefill_tokens = 0.0
+        self.mean_kv_tokens = 0.0
+
+    # --- what the decision reads -------------------------------------------------------------
+    @property
+    def bias_s(self) -> float:
+        return min(max(self.theta[0], 0.0), 10.0)
+
+    @property
+    def s_per_token(self) -> float:
+        return min(max(self.theta[1], MIN_S_PER_TOKEN), MAX_S_PER_TOKEN)
+
+    @property
+    def s_per_media_token(self) -> float:
+        return min(max(self.theta[2], 0.0), MAX_S_PER_TOKEN)
+
+    def prefill_s(self, uncached_tokens: float, uncached_media_tokens: float) -> float:
+        """Seconds from the head of the queue to the first token for this much new prompt."""
+        return (self.bias_s + self.s_per_token * uncached_tokens
+                + self.s_per_media_token * uncached_media_tokens)
+
+    def request_turnover_s(self, expected_output_tokens: int) -> float:
+        """How long a request stays running after its first token (it holds its KV until then)."""
+        if self.turnover_s is not None:
+            return self.turnover_s
+        return self.decode_step_s * (expected_output_tokens or PRIOR_OUTPUT_TOKENS)
+
+    # --- learning ------------------------------------------------------------------------------
+    def observe_prefill(self, uncached_tokens: float, uncached_media_tokens: float, seconds: float) -> None:
+        """One measured (time to first byte - predicted queueing) for this much new prompt."""
+        self._rls((1.0, float(uncached_tokens), float(uncached_media_tokens)), seconds)
+        self.observations += 1
+
+    def observe_report(self, prefill_tokens_per_s: float | None, decode_step_s: float | None) -> None:
+        if prefill_tokens_per_s is not None and prefill_tokens_per_s > 0:
+            # what REPORTED_RATE_TOKENS cost at the reported rate, without the fixed part
+            self._rls((0.0, REPORTED_RATE_TOKENS, 0.0), REPORTED_RATE_TOKENS / prefill_tokens_per_s)
+            self.reported_rate = True
+        if decode_step_s is not None and decode_step_s > 0:
+            self.decode_step_s += EWMA * (decode_step_s - self.decode_step_s)
+
+    def observe_dispatch(self, prefill_tokens: int, kv_tokens: int) -> None:
+        if self.mean_kv_tokens == 0.0:
+            self.mean_prefill_tokens, self.mean_kv_tokens = float(prefill_tokens), float(kv_tokens)
+            return
+        self.mean_prefill_tokens += EWMA * (prefill_tokens - self.mean_prefill_tokens)
+        self.mean_kv_tokens += EWMA * (kv_tokens - self.mean_kv_tokens)
+
+    def observe_turnover(self, seconds: float) -> None:
+        if seconds < 0:
+            return
+        self.turnover_s = seconds if self.turnover_s is None else self.turnover_s + EWMA * (seconds - self.turnover_s)
+
+    def _rls(self, x: tuple[float, float, float], y: float) -> None:
+        p, theta = self.cov, self.theta
+        px = [p[i][0] * x[0] + p[i][1] * x[1] + p[i][2] * x[2] for i in range(3)]
+        denom = FORGET + x[0] * px[0] + x[1] * px[1] + x[2] * px[2]
+        gain = [v / denom for v in px]
+        error = y - (theta[0] * x[0] + theta[1] * x[1] + theta[2] * x[2])
+        for i in range(3):
+            theta[i] += gain[i] * error
+        for i in range(3):
+            for j in range(3):
+                p[i][j] = (p[i][j] - gain[i] * px[j]) / FORGET
+        # Without fresh excitation (e.g. no images) forgetting would inflate a direction without
+        # bound ("wind-up"); the prior's variance is the most any direction may have.
+        for i in range(3):
+            limit = PRIOR_SD[i] ** 2
+            if p[i][i] > limit:
+                scale = (limit / p[i][i]) ** 0.5
+                for j in range(3):
+                    p[i][j] *= scale
+                    p[j][i] *= scale
+
+
+@dataclass
+class FleetEstimator:
+    """One WorkerModel per worker id, made on first use with the priors."""
+
+    models: dict[str, WorkerModel]
+
+    def __init__(self) -> None:
+        self.models = {}
+
+    def for_worker(self, worker_id: str) -> WorkerModel:
+        model = self.models.get(worker_id)
+        if model is None:
+            model = self.models[worker_id] = WorkerModel()
+        return model
+
+    def forget(self, worker_id: str) -> None:
+        self.models.pop(worker_id, None)

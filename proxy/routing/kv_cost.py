@@ -1,0 +1,209 @@
+"""kv_cost (default): send each request where its predicted time to first token, plus what it costs others, is lowest.
+
+Owns the decision model in time units; the parameters it uses are learnt in estimator.py and the
+prefix bookkeeping lives in prefix_index.py. It does no I/O and never refuses (admission.py holds).
+
+The model, for a request with P prompt tokens (M of them image/video), expected output O, on a
+candidate worker w whose cache holds its first c tokens (prefix index depth), capacity K tokens:
+
+    uncached u = P - c;  uncached media m = M x u / P    (the media share of the uncached part)
+    need     n = u + O                                   (KV the request adds there at its peak)
+    committed  = used + pending_kv + W x kv_bar          (reported KV in use, what the proxy sent
+                                                          since that report, what w reports waiting)
+
+    queue(w)   = s_tok x (pending_prefill + W x u_bar)   # prompts ahead of it are prefilled first
+               + max(kv_wait, seq_wait)
+      kv_wait  = max(0, committed + n - K) / (max(used, kv_bar) / T)
+                 # KV frees as running requests finish: `used` tokens turn over every T seconds
+      seq_wait = B x T / max(R, 1)
+                 # w reports requests waiting (B of them still ahead, R running): one starts per
+                 # completion, and completions come R per T seconds
+    prefill(w) = bias + s_tok x u + s_vis x m             # estimator.WorkerModel.prefill_s
+    ttft(w)    = queue(w) + prefill(w)
+
+    evict(w)   = s_tok x clamp(h + n - (K - committed), 0, h),   h = min(hot(w) - c, K - committed)
+                 # hot(w): prefix tokens routed to w at least twice. Its engine evicts least
+                 # recently used free blocks first, so placing n new tokens pushes out hot prefixes
+                 # only once the cold free space is used up; each evicted hot token is prefilled
+                 # again by a later request: that is the time this request costs others.
+
+    cost(w)    = ttft(w) + evict(w)
+
+The request goes to the lowest cost. Costs within RESOLUTION_S of each other are equal (the
+model is not more precise than that); ties go to the lowest projected KV usage (less preemption
+risk, faster decode steps), then fewest in flight, then at random. T (first token -> completion)
+is measured per worker, or O x the decode step time before that; u_bar, kv_bar are the mean
+prefill / KV tokens of recent requests sent to w; s_tok, s_vis, bias are learnt online
+(estimator.py). Every term is a time, so nothing needs a hand-tuned weight.
+
+Locality is explicit: a prompt whose prefix w holds is cheaper there by s_tok x c, and a cold
+prompt is dearer on a worker full of hot prefixes by evict(w). So a hot prefix stays with its
+owner until the owner's queue costs more than prefilling the prefix again elsewhere; then it is
+replicated on purpose (reason "replica"), never because of a tie.
+
+Scale: with more than SHORTLIST_ABOVE candidates only SHORTLIST random ones (power-of-d choices)
+plus every worker the prefix index names are scored, so a decision costs O(SHORTLIST + holders).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from proxy.registry import Worker
+from proxy.request import RoutedRequest
+from proxy.routing.base import Decision, Policy, PolicyDeps
+from proxy.routing.estimator import WorkerModel
+
+log = logging.getLogger("kvroute.routing.kv_cost")
+
+RESOLUTION_S = 0.005
+SHORTLIST_ABOVE = 16
+SHORTLIST = 8
+# Learn the prefill parameters only from requests predicted to have waited little: the queue
+# estimate's error would otherwise be fitted as prefill cost.
+LEARN_MAX_QUEUE_SHARE = 0.25
+
+
+class Prediction:
+    """The model's terms for one request on one worker (seconds, tokens)."""
+
+    __slots__ = ("queue_s", "prefill_s", "evict_s", "cached", "uncached", "media_uncached")
+
+    def __init__(self, queue_s: float, prefill_s: float, evict_s: float, cached: int, uncached: int,
+                 media_uncached: int) -> None:
+        self.queue_s = queue_s
+        self.prefill_s = prefill_s
+        self.evict_s = evict_s
+        self.cached = cached
+        self.uncached = uncached
+        self.media_uncached = media_uncached
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.prefill_s
+
+    @property
+    def cost_s(self) -> float:
+        return self.queue_s + self.prefill_s + self.evict_s
+
+
+def predict(worker: Worker, model: WorkerModel, request: RoutedRequest, cached: int, hot_tokens: int,
+            now: float) -> Prediction:
+    """The module docstring's formulas for `request` on `worker`."""
+    load = worker.load
+    capacity = load.capacity_tokens
+    reading = load.reading
+    if reading is not None:
+        used = reading.kv_usage * capacity
+        waiting, running = reading.num_waiting, reading.num_running
+    else:
+        used, waiting, running = 0.0, 0, load.in_flight
+    pending_kv = load.pending_kv_tokens(now)
+    backlog = load.engine_backlog(now)
+    kv_bar = model.mean_kv_tokens or float(request.expected_kv_tokens)
+    prefill_bar = model.mean_prefill_tokens or float(request.prompt_tokens)
+    prompt = request.prompt_tokens
+    cached = min(cached, prompt - 1) if prompt > 1 else 0  # the last token is always computed
+    uncached = prompt - cached
+    media_uncached = request.media_tokens * uncached // prompt if request.media_tokens else 0
+    need = uncached + request.expected_output_tokens
+    committed = used + pending_kv + waiting * kv_bar
+    turnover = model.request_turnover_s(request.expected_output_tokens)
+
+    s_tok = model.s_per_token
+    queue = s_tok * (load.pending_prefill_tokens(now) + waiting * prefill_bar)
+    deficit = committed + need - capacity
+    kv_wait = deficit * turnover / max(used, kv_bar) if deficit > 0 else 0.0
+    seq_wait = backlog * turnover / max(running, 1) if backlog else 0.0
+    queue += max(kv_wait, seq_wait)
+
+    free = capacity - committed
+    evictable_hot = min(max(0, min(hot_tokens, capacity) - cached), max(0.0, free))
+    evicted = min(evictable_hot, max(0.0, evictable_hot + need - free))
+    return Prediction(queue, model.prefill_s(uncached, media_uncached), s_tok * evicted, cached, uncached,
+                      media_uncached)
+
+
+def cached_tokens(request: RoutedRequest, depth: int) -> int:
+    """Estimated prompt tokens covered by the first `depth` prefix blocks."""
+    return request.prefix_tokens[depth - 1] if depth > 0 else 0
+
+
+class KvCostPolicy(Policy):
+    name = "kv_cost"
+
+    def __init__(self, deps: PolicyDeps) -> None:
+        super().__init__(deps)
+        self._by_id_for: Sequence[Worker] | None = None
+        self._by_id: dict[str, Worker] = {}
+
+    def select(self, candidates: Sequence[Worker], request: RoutedRequest, now: float) -> Decision:
+        index, estimator = self.deps.prefix_index, self.deps.estimator
+        depths = index.match(request.prefix_hashes, None, now) if request.prefix_hashes else {}
+        pool = self._shortlist(candidates, depths)
+        best: Worker | None = None
+        best_pred: Prediction | None = None
+        best_key: tuple[int, float, int] | None = None
+        ties = 0
+        predictions: dict[str, Prediction] = {}
+        for worker in pool:
+            wid = worker.worker_id
+            pred = predict(worker, estimator.for_worker(wid), request, cached_tokens(request, depths.get(wid, 0)),
+                           index.hot_tokens(wid), now)
+            predictions[wid] = pred
+            key = (int(pred.cost_s / RESOLUTION_S), worker.load.projected_kv_usage(now), worker.load.in_flight)
+            if best_key is None or key < best_key:
+                best, best_pred, best_key, ties = worker, pred, key, 1
+            elif key == best_key:
+                ties += 1  # reservoir sampling: each tied worker equally likely
+                if self.deps.rng.random() * ties < 1.0:
+                    best, best_pred = worker, pred
+        assert best is not None and best_pred is not None
+        deepest = max((predictions[w].cached for w in predictions), default=0)
+        if deepest == 0:
+            reason = "cold"
+        elif best_pred.cached >= deepest:
+            reason = "prefix_owner"
+        else:
+            reason = "replica"
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("model=%s prompt=%d media=%d output=%d -> %s (%s) | %s", request.model, request.prompt_tokens,
+                      request.media_tokens, request.expected_output_tokens, best.worker_id, reason,
+                      "; ".join(f"{wid}: ttft={p.ttft_s * 1000:.1f}ms (queue {p.queue_s * 1000:.1f} + prefill "
+                                f"{p.prefill_s * 1000:.1f}, cached {p.cached}) evict={p.evict_s * 1000:.1f}ms"
+                                for wid, p in predictions.items()))
+        kv_tokens = best_pred.uncached + request.expected_output_tokens
+        return Decision(best, reason, kv_tokens, {w: p.cost_s for w, p in predictions.items()},
+                        prefill_tokens=best_pred.uncached, media_tokens=best_pred.media_uncached,
+                        predicted_queue_s=best_pred.queue_s, predicted_ttft_s=best_pred.ttft_s)
+
+    def _shortlist(self, candidates: Sequence[Worker], depths: dict[str, int]) -> Sequence[Worker]:
+        if len(candidates) <= SHORTLIST_ABOVE:
+            return candidates
+        if self._by_id_for is not candidates:  # the registry hands a new list per request; benches reuse one
+            self._by_id = {w.worker_id: w for w in candidates}
+            self._by_id_for = candidates
+        pool = {id(w): w for w in self.deps.rng.sample(candidates, SHORTLIST)}
+        for wid in depths:
+            holder = self._by_id.get(wid)
+            if holder is not None:
+                pool[id(holder)] = holder
+        return list(pool.values())
+
+    def on_dispatch(self, decision: Decision, request: RoutedRequest, now: float) -> None:
+        wid = decision.worker.worker_id
+        if request.prefix_hashes:
+            self.deps.prefix_index.insert(request.prefix_hashes, wid, now, request.prefix_tokens)
+        self.deps.estimator.for_worker(wid).observe_dispatch(decision.prefill_tokens, decision.kv_tokens)
+
+    def on_finish(self, decision: Decision, request: RoutedRequest, sent_at: float, first_byte_at: float | None,
+                  ended_at: float) -> None:
+        # Only a streamed answer's first byte is its first token (vLLM sends a non-streamed one whole).
+        if not request.stream or first_byte_at is None or decision.predicted_ttft_s is None:
+            return
+        model = self.deps.estimator.for_worker(decision.worker.worker_id)
+        measured = first_byte_at - sent_at
+        if decision.predicted_queue_s <= LEARN_MAX_QUEUE_SHARE * measured:
+            model.observe_prefill(decision.prefill_tokens, decision.media_tokens, measured - decision.predicted_queue_s)
+        model.observe_turnover(ended_at - first_byte_at)
