@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -23,6 +26,7 @@ from proxy.monitor import HealthMonitor
 from proxy.registry import Registry
 from proxy.routing.base import PolicyDeps
 from proxy.routing.prefix_index import PrefixIndex
+from proxy.security import peer
 from proxy.security.clientauth import ClientAuth, client_keys_middleware
 from proxy.security.limits import LimitedTCPSite, limits_middleware, parser_limits
 from proxy.state import RedisState
@@ -69,7 +73,7 @@ def build_app(config: FleetConfig, *, policy: str | None = None) -> web.Applicat
 
     openai_api.add_routes(app, dispatcher, registry, config)
     control.add_routes(app, registry, monitor, dispatcher.queue_lengths)
-    ops.add_routes(app, registry, metrics)
+    ops.add_routes(app, registry, metrics, dispatcher.queue_lengths)
     app.cleanup_ctx.append(_lifecycle)
     return app
 
@@ -108,8 +112,42 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     await app[DISPATCHER_KEY].client_auth.close()
 
 
-async def serve(app: web.Application, host: str, port: int) -> None:
-    """Run `app` on host:port until cancelled; then close it cleanly. Prints the bound URL."""
+async def serve(app: web.Application, host: str, port: int, data_plane: str | None = None) -> None:
+    """Run `app` on host:port until cancelled; then close it cleanly. Prints the bound URL.
+
+    data_plane "fast" (the default; KVROUTE_DATA_PLANE=aiohttp or --data-plane aiohttp for the old path):
+    /v1 completions on proxy/dataplane/, every other route on `app` behind it on an internal unix socket.
+    """
+    data_plane = data_plane or os.environ.get("KVROUTE_DATA_PLANE", "fast")
+    if data_plane == "aiohttp":
+        await _serve_aiohttp(app, host, port)
+        return
+    from proxy.dataplane.server import DataPlane
+
+    config = app[CONFIG_KEY]
+    hop_secret = peer.install(app)  # before start-up: a started app is frozen
+    runner = web.AppRunner(app, access_log=None, **parser_limits(config))
+    await runner.setup()
+    sockdir = tempfile.mkdtemp(prefix="kvroute-")  # mode 0700: only this user reaches the control socket
+    plane: DataPlane | None = None
+    try:
+        path = os.path.join(sockdir, "control.sock")
+        await web.UnixSite(runner, path).start()
+        dispatcher = app[DISPATCHER_KEY]
+        plane = DataPlane(config, dispatcher, app[REGISTRY_KEY], app[METRICS_KEY], dispatcher.client_auth, path,
+                          hop_secret)
+        bound = await plane.start(host, port)
+        print(f"kvroute proxy listening on http://{host}:{bound}", flush=True)
+        await asyncio.Event().wait()
+    finally:
+        if plane is not None:
+            await plane.close()
+        await runner.cleanup()
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+async def _serve_aiohttp(app: web.Application, host: str, port: int) -> None:
+    """The previous data plane: everything on aiohttp."""
     # handler_cancellation: a client that disconnects cancels its handler, and with it the
     # upstream request (the worker sees the connection close and stops generating).
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, **parser_limits(app[CONFIG_KEY]))
