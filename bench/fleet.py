@@ -66,6 +66,16 @@ class Fleet:
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
+    def sim_states(self) -> list[dict]:
+        """Each sim worker's GET /sim/state (the engine's own counters: no /metrics parsing)."""
+        import json
+
+        out = []
+        for u in self.urls:
+            status, body = _get(u + "/sim/state", 5.0)
+            out.append(json.loads(body) if status == 200 else {})
+        return out
+
     def metrics(self) -> list[dict[str, float]]:
         """Each worker's /metrics, summed over label sets per metric name."""
         return [scrape_metrics(u) for u in self.urls]
@@ -155,10 +165,34 @@ def start_kvroute(fleet: Fleet, policy: str, timeout: float = 60.0) -> RunningRo
     return router
 
 
+def default_policy() -> str:
+    """kvroute's out-of-the-box policy, as its config says (whatever the routing helpers made default)."""
+    from proxy.config import ProxyConfig
+
+    return str(ProxyConfig().policy)
+
+
+def start_oracle(fleet: Fleet, timeout: float = 60.0) -> RunningRouter:
+    """bench/oracle.py over the fleet's sim workers (bench only: reads each engine's true state)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = fleet.log_dir / f"oracle-{port}.log"
+    popen = spawn([sys.executable, "-m", "bench.oracle", "--port", str(port), *fleet.urls], log_path)
+    router = RunningRouter("oracle", url, popen, log_path, ProcessTree(popen.pid))
+    try:
+        wait_ready(url, popen, log_path, timeout=timeout)
+    except BaseException:
+        router.stop()
+        raise
+    return router
+
+
 def start_router(kind: str, policy: str, fleet: Fleet) -> RunningRouter:
-    """kind 'kvroute' or a peer name; the peer gets the fleet's worker URLs."""
+    """kind 'kvroute' (policy 'default' = ProxyConfig's), 'oracle' or a peer name; peers get the worker URLs."""
     if kind == "kvroute":
-        return start_kvroute(fleet, policy)
+        return start_kvroute(fleet, default_policy() if policy in ("", "default") else policy)
+    if kind == "oracle":
+        return start_oracle(fleet)
     return start_peer(kind, policy, fleet.urls, free_port(), free_port(), fleet.log_dir)
 
 

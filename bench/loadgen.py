@@ -28,6 +28,8 @@ class RequestSpec:
     path: str = "/v1/chat/completions"
     arrival_s: float = 0.0  # offset from the run's start; ignored by the closed loop
     tag: str = ""  # free label (workload part, session id) carried into the result
+    after: int | None = None  # index of a request that must finish first (the previous turn of a session)
+    gap_s: float = 0.0  # and then this long (think time) before this one is sent
 
     @property
     def stream(self) -> bool:
@@ -137,6 +139,27 @@ async def _consume_stream(resp: aiohttp.ClientResponse, res: Result, t0: float) 
         res.completion_tokens = chunks
 
 
+class _Done:
+    """Completion events by request index, for requests that wait on an earlier one."""
+
+    def __init__(self, n: int) -> None:
+        self._events: dict[int, asyncio.Event] = {}
+        self.n = n
+
+    def _event(self, i: int) -> asyncio.Event:
+        return self._events.setdefault(i, asyncio.Event())
+
+    def set(self, i: int) -> None:
+        self._event(i).set()
+
+    async def after(self, spec: RequestSpec, gap_scale: float) -> None:
+        if spec.after is None or not 0 <= spec.after < self.n:
+            return
+        await self._event(spec.after).wait()
+        if spec.gap_s > 0 and gap_scale > 0:
+            await asyncio.sleep(spec.gap_s * gap_scale)
+
+
 class LoadGenerator:
     """Sends RequestSpecs to one base URL, or round-robin over several (client-side "direct")."""
 
@@ -199,30 +222,39 @@ class LoadGenerator:
         started_at = time.time()
         run_t0 = time.perf_counter()
         stop_at = run_t0 + time_limit_s if time_limit_s else float("inf")
+        done = _Done(len(specs))
 
         async def client(session: aiohttp.ClientSession) -> None:
             nonlocal next_index
             while next_index < len(specs) and time.perf_counter() < stop_at:
                 i = next_index
                 next_index += 1
+                await done.after(specs[i], 0.0)  # closed loop: no think time
                 results.append(await self._send(session, i, specs[i], run_t0))
+                done.set(i)
 
         async with self._session() as session:
             await asyncio.gather(*(client(session) for _ in range(min(concurrency, len(specs)))))
         return RunResult(sorted(results, key=lambda r: r.index), time.perf_counter() - run_t0, started_at)
 
-    async def open_loop(self, specs: Sequence[RequestSpec], max_outstanding: int = 4096) -> RunResult:
-        """Send each request at its arrival_s, whether or not earlier ones have finished."""
+    async def open_loop(self, specs: Sequence[RequestSpec], max_outstanding: int = 4096,
+                        gap_scale: float = 1.0) -> RunResult:
+        """Send each request at its arrival_s, whether or not earlier ones have finished; a request with
+        `after` also waits for that one to finish plus gap_s x gap_scale (a session's next turn)."""
         gate = asyncio.Semaphore(max_outstanding)  # a safety bound, far above any sane queue
         started_at = time.time()
         run_t0 = time.perf_counter()
+        done = _Done(len(specs))
 
         async def one(session: aiohttp.ClientSession, i: int, spec: RequestSpec) -> Result:
             delay = spec.arrival_s - (time.perf_counter() - run_t0)
             if delay > 0:
                 await asyncio.sleep(delay)
+            await done.after(spec, gap_scale)
             async with gate:
-                return await self._send(session, i, spec, run_t0)
+                res = await self._send(session, i, spec, run_t0)
+            done.set(i)
+            return res
 
         async with self._session() as session:
             results = await asyncio.gather(*(one(session, i, s) for i, s in enumerate(specs)))

@@ -1,45 +1,53 @@
-"""Routing-quality benchmark: kvroute policies vs peers on sim H100 workers, at 50/80/95% of capacity.
+"""Routing-quality benchmark (issue 9): kvroute's default vs its other policies, the peers and an oracle.
 
-Owns the quality matrix (workload x offered load x route), capacity calibration, the KV-usage
-sampler and the quality tables/plots. Processes come from fleet.py, load from loadgen.py.
+Owns the matrix (family x load x route x repeat), capacity calibration, per-cell measurement from the
+sims' own state, aggregation (mean and spread over repeats) and the result files; processes come from
+fleet.py, load from loadgen.py, workloads from workloads.py, the oracle from oracle.py.
+
+Every cell runs on a FRESH fleet (new sim processes: empty caches, zeroed counters) and a fresh router.
+Engine-side figures (prefix-cache hits, preemptions, requests per worker) are deltas of each sim's
+GET /sim/state around the cell. Times are simulated seconds (wall x time scale; 1 by default).
+The markdown is generated from the JSON (`--render FILE.json` regenerates it).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
+from bench.fleet import Fleet, SimWorkerSpec, default_policy, start_router
+from bench.loadgen import LoadGenerator, RunResult, summarize
+from bench.report import environment_note, fmt, md_table, ms, plot_cdfs, results_path, write_json
+from bench.workloads import DEFAULT_REQUESTS, FAMILIES, KINDS, Workload, load_or_generate
 
-from bench.fleet import Fleet, SimWorkerSpec, start_router
-from bench.loadgen import LoadGenerator, summarize
-from bench.report import environment_note, fmt, md_table, ms, plot_cdfs, plot_spread, results_path, write_json
-from bench.workloads import KINDS, MODEL_A, MODEL_B, Workload, load_or_generate
-
-ROUTES = (("kvroute", "kv_aware"), ("kvroute", "prefix"), ("kvroute", "least_requests"), ("kvroute", "round_robin"),
-          ("vllm-router", "cache_aware"), ("vllm-router", "power_of_two"),
-          ("sglang-router", "cache_aware"), ("sglang-router", "power_of_two"),
-          ("lmdeploy", "min_expected_latency"))
-LOADS = (0.5, 0.8, 0.95)
-TTFT_SLO_S = 1.0  # goodput: requests answered with TTFT <= 1 s (simulated seconds)
-PRESET = "h200-qwen3-vl-32b"
-# KV per worker is capped far below the H200's ~250k tokens so KV pressure appears at request and
-# token rates that 2 shared CPU cores can drive through Python and Rust routers without the routers
-# themselves running out of CPU (documented in bench/README.md).
-KV_CAPACITY_TOKENS = 24_000
+ROUTES = ("kvroute:default", "kvroute:kv_aware", "kvroute:round_robin", "oracle",
+          "sglang-router:cache_aware", "sglang-router:power_of_two",
+          "vllm-router:cache_aware", "vllm-router:power_of_two", "lmdeploy:min_expected_latency")
+LOADS = ("closed", "0.5", "0.8", "0.95", "1.1")
+PEERS = ("sglang-router", "vllm-router", "lmdeploy")
+PRESET = "h100-qwen3-vl-8b"
 WORKERS = 4
+REPEATS = 3
+TTFT_SLO_S = 1.0
+CLOSED_CLIENTS_PER_WORKER = 32
+QUICK_DIR = Path(__file__).resolve().parent / ".runs" / "quick-results"
+# rough wall seconds per cell besides the load itself (fleet start, router start, drain), for the ETA
+CELL_OVERHEAD_S = 12.0
 
 
-def fleet_workers(kind: str, workers: int, time_scale: float, preset: str = PRESET,
-                  kv_tokens: int = KV_CAPACITY_TOKENS) -> list[SimWorkerSpec]:
-    extra = ["--kv-capacity-tokens", str(kv_tokens)]
-    models = [MODEL_A] * workers
-    if kind == "mix":  # a quarter of the fleet serves the second model
-        models = [MODEL_A] * (workers - max(1, workers // 4)) + [MODEL_B] * max(1, workers // 4)
-    return [SimWorkerSpec(model=m, preset=preset, time_scale=time_scale, extra=extra) for m in models]
+def route_label(route: str) -> str:
+    return f"kvroute:default ({default_policy()})" if route == "kvroute:default" else route
+
+
+def fleet_specs(w: Workload, workers: int, time_scale: float, preset: str, kv_tokens: int | None) -> list[SimWorkerSpec]:
+    extra = ["--kv-capacity-tokens", str(kv_tokens or w.kv_tokens)]
+    return [SimWorkerSpec(model=m, preset=preset, time_scale=time_scale, extra=extra)
+            for m in w.worker_models_for(workers)]
 
 
 def direct_targets(fleet: Fleet) -> dict[str, list[str]]:
@@ -49,244 +57,314 @@ def direct_targets(fleet: Fleet) -> dict[str, list[str]]:
     return out
 
 
-class KvSampler:
-    """Polls each worker's /metrics every `interval` s: KV usage, running, waiting."""
+def engine_deltas(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, Any]:
+    """Prefix-cache hit rate, prefilled tokens, preemptions and finished requests per worker, from /sim/state."""
+    def d(key: str) -> list[float]:
+        return [a.get(key, 0) - b.get(key, 0) for b, a in zip(before, after, strict=True)]
 
-    def __init__(self, urls: list[str], interval: float = 0.5) -> None:
-        self.urls = urls
-        self.interval = interval
-        self.samples: list[tuple[float, list[float]]] = []
-        self._stop = asyncio.Event()
-
-    async def run(self) -> None:
-        t0 = time.perf_counter()
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
-            while not self._stop.is_set():
-                usage = []
-                for u in self.urls:
-                    try:
-                        async with s.get(u + "/metrics") as r:
-                            text = await r.text()
-                        usage.append(_metric(text, "vllm:kv_cache_usage_perc"))
-                    except (aiohttp.ClientError, TimeoutError):
-                        usage.append(float("nan"))
-                self.samples.append((time.perf_counter() - t0, usage))
-                try:
-                    await asyncio.wait_for(self._stop.wait(), self.interval)
-                except TimeoutError:
-                    pass
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def spread(self) -> tuple[float | None, float | None]:
-        """(time-mean of max-min KV usage across workers, peak usage of any worker)."""
-        gaps = [max(u) - min(u) for _, u in self.samples if u and all(x == x for x in u)]
-        peak = max((max(u) for _, u in self.samples if u), default=None)
-        return (sum(gaps) / len(gaps) if gaps else None), peak
+    queries, hits = sum(d("prefix_cache_queries")), sum(d("prefix_cache_hits"))
+    return {"prefix_hit": hits / queries if queries else None, "prefill_tokens": int(queries - hits),
+            "preemptions": int(sum(d("num_preemptions"))), "per_worker": [int(x) for x in d("num_finished")]}
 
 
-def _metric(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and (line[len(name)] in " {"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def run_load(target: Any, specs: list, load: str, concurrency: int) -> RunResult:
+    gen = LoadGenerator(target)
+    if load == "closed":
+        return asyncio.run(gen.closed_loop(specs, concurrency))
+    return asyncio.run(gen.open_loop(specs))
 
 
-def wait_idle(fleet: Fleet, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ms_ = fleet.metrics()
-        if all(m.get("vllm:num_requests_running", 0) + m.get("vllm:num_requests_waiting", 0) == 0 for m in ms_):
-            return
-        time.sleep(0.2)
-    raise TimeoutError("workers did not drain between cells")
+def run_cell(args: argparse.Namespace, w: Workload, route: str, load: str, rate_wall: float, salt: str,
+             log_dir: Path) -> dict[str, Any]:
+    """One (route, load) run on a fresh fleet; times in simulated seconds."""
+    kind, _, policy = route.partition(":")
+    with Fleet(log_dir, fleet_specs(w, args.workers, args.time_scale, args.preset, args.kv_tokens)) as fleet:
+        router = None if kind == "direct" else start_router(kind, policy, fleet)
+        try:
+            target: Any = direct_targets(fleet) if router is None else router.url
+            specs = w.specs(rate_wall if load != "closed" else 1.0, salt=salt, limit=args.requests)
+            before = fleet.sim_states()
+            cpu0 = router.tree.cpu_seconds() if router else 0.0
+            run = run_load(target, specs, load, args.closed_clients * args.workers)
+            router_cpu = (router.tree.cpu_seconds() - cpu0) / run.wall_s if router else None
+            after = fleet.sim_states()
+        finally:
+            if router:
+                router.stop()
+    ts = args.time_scale
+    for r in run.results:
+        r.latency_s *= ts
+        r.ttft_s = None if r.ttft_s is None else r.ttft_s * ts
+    run.wall_s *= ts
+    row = summarize(run, ttft_slo_s=args.ttft_slo)
+    row.pop("per_worker", None)  # the client's view; the engines' own count is below
+    done = [r.sent_at * ts + r.latency_s for r in run.results if r.ok]
+    row.update(engine_deltas(before, after), route=route, load=load, router_cpu=router_cpu,
+               makespan_s=max(done) if done else None,
+               ttfts=[r.ttft_s for r in run.results if r.ok and r.ttft_s is not None])
+    return row
 
 
-def calibrate(fleet: Fleet, w: Workload, requests: int, concurrency: int, time_limit_s: float) -> float:
-    """Fleet capacity in requests per wall second for this workload: a closed loop through client-side
-    round robin, with enough clients to fill every worker's KV cache."""
-    specs = w.specs(1.0, salt=f"calibrate-{time.time()}", limit=requests)
-    run = asyncio.run(LoadGenerator(direct_targets(fleet)).closed_loop(specs, concurrency, time_limit_s))
-    wait_idle(fleet)
-    # steady state only: the rate between the 20th and 80th percentile of completion times, so the
-    # ramp-up and the tail of a short closed loop do not drag the estimate down
+def calibrate(args: argparse.Namespace, w: Workload, log_dir: Path) -> float:
+    """Fleet capacity for this family in requests per wall second: steady-state throughput (completions between
+    the 20th and 80th percentile finish times) of a closed loop through `--calibrate-route` (the oracle by
+    default, so that offered loads are fractions of what the best-informed routing sustains)."""
+    kind, _, policy = args.calibrate_route.partition(":")
+    with Fleet(log_dir, fleet_specs(w, args.workers, args.time_scale, args.preset, args.kv_tokens)) as fleet:
+        router = None if kind == "direct" else start_router(kind, policy, fleet)
+        try:
+            target: Any = direct_targets(fleet) if router is None else router.url
+            specs = w.specs(1.0, salt=f"calibrate-{time.time()}", limit=args.calibrate_requests)
+            run = asyncio.run(LoadGenerator(target).closed_loop(specs, args.closed_clients * args.workers,
+                                                                args.calibrate_seconds))
+        finally:
+            if router:
+                router.stop()
     done = sorted(r.sent_at + r.latency_s for r in run.results if r.ok)
     if len(done) < 10:
-        raise RuntimeError(f"calibration failed: only {len(done)} requests succeeded")
+        raise RuntimeError(f"calibration failed: only {len(done)} requests succeeded ({run.results[0].error})")
     lo, hi = int(len(done) * 0.2), int(len(done) * 0.8)
     return (hi - lo) / max(1e-6, done[hi] - done[lo])
 
 
-async def _open_loop_with_sampler(target: Any, specs: list, sampler: KvSampler):
-    task = asyncio.create_task(sampler.run())
-    try:
-        return await LoadGenerator(target).open_loop(specs)
-    finally:
-        sampler.stop()
-        await task
+# ---- aggregation and rendering (from the JSON alone) ------------------------------------------------
+METRICS = ("req_per_s", "makespan_s", "ttft_p50", "ttft_p99", "goodput_frac", "rejected_429", "rejected_503",
+           "failed", "prefix_hit", "prefill_tokens", "preemptions")
 
 
-def run_cell(fleet: Fleet, w: Workload, kind: str, policy: str, rate: float, n: int, time_scale: float,
-             salt: str) -> dict[str, Any]:
-    t0 = time.monotonic()
-    wait_idle(fleet)
-    t_idle = time.monotonic()
-    router = None if kind == "direct" else start_router(kind, policy, fleet)
-    t_router = time.monotonic()
-    try:
-        target: Any = direct_targets(fleet) if router is None else router.url
-        specs = w.specs(rate, salt=salt, limit=n)
-        t_specs = time.monotonic()
-        before = fleet.metrics()
-        cpu0 = router.tree.cpu_seconds() if router else 0.0
-        sampler = KvSampler(fleet.urls)
-        run = asyncio.run(_open_loop_with_sampler(target, specs, sampler))
-        router_cpu = (router.tree.cpu_seconds() - cpu0) / run.wall_s if router else None
-        after = fleet.metrics()
-    finally:
-        if router:
-            router.stop()
-    # client times are wall seconds; the sim runs time_scale simulated seconds per wall second
-    for r in run.results:
-        r.latency_s *= time_scale
-        r.ttft_s = None if r.ttft_s is None else r.ttft_s * time_scale
-    run.wall_s *= time_scale
-    row = summarize(run, ttft_slo_s=TTFT_SLO_S)
-
-    def delta(name: str) -> float:
-        return sum(a.get(name, 0.0) - b.get(name, 0.0) for b, a in zip(before, after, strict=True))
-
-    queries = delta("vllm:prefix_cache_queries_total")
-    spread, peak = sampler.spread()
-    row.update(route="direct" if router is None else f"{kind}:{policy}", preemptions=int(delta("vllm:num_preemptions_total")),
-               prefix_hit=delta("vllm:prefix_cache_hits_total") / queries if queries else None,
-               kv_spread=spread, kv_peak=peak, kv_series=sampler.samples, router_cpu=router_cpu,
-               chunks_per_wall_s=sum(r.completion_tokens for r in run.results) / (run.wall_s / time_scale),
-               ttfts=[r.ttft_s for r in run.results if r.ok and r.ttft_s is not None],
-               phases_s={"idle": t_idle - t0, "router_start": t_router - t_idle, "specs": t_specs - t_router,
-                         "run": run.wall_s / time_scale})
-    return row
+def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per (family, load, route): mean, min and max of each metric over the repeats."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["family"], r["load"], r["route"]), []).append(r)
+    out = []
+    for (family, load, route), rs in groups.items():
+        agg: dict[str, Any] = {"family": family, "load": load, "route": route, "label": rs[0].get("label", route),
+                               "repeats": len(rs)}
+        for m in METRICS:
+            xs = [r[m] for r in rs if r.get(m) is not None]
+            agg[m] = (statistics.fmean(xs), min(xs), max(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0) \
+                if xs else None
+        per = [r["per_worker"] for r in rs if r.get("per_worker")]
+        agg["per_worker"] = [round(statistics.fmean(col)) for col in zip(*per, strict=True)] if per else []
+        out.append(agg)
+    return out
 
 
-def render(sections: list[dict[str, Any]], header: str) -> str:
-    out = [header]
-    for sec in sections:
-        out.append(f"## {sec['kind']} (capacity {sec['capacity']:.2f} req/s, {sec['n']} requests per cell)\n")
-        table = []
-        for r in sec["rows"]:
-            rejected = f"{r['rejected']} ({r['rejected_429']}/{r['rejected_503']})" if r["rejected"] else "0"
-            table.append([f"{int(r['load'] * 100)}%", r["route"], r["ok"], rejected, r["failed"],
-                          ms(r["ttft_p50"], digits=0), ms(r["ttft_p99"], digits=0), ms(r["lat_p99"], digits=0),
-                          fmt(r["req_per_s"], digits=2), fmt(r["output_tok_per_s"], digits=0),
-                          fmt(100 * r["goodput_frac"], "%", 0), r["preemptions"],
-                          fmt(None if r["prefix_hit"] is None else 100 * r["prefix_hit"], "%", 0),
-                          fmt(r["kv_spread"], digits=2), fmt(r["kv_peak"], digits=2),
-                          fmt(None if r["router_cpu"] is None else 100 * r["router_cpu"], "%", 0)])
-        out.append(md_table(["load", "route", "ok", "rejected (429/503)", "failed", "TTFT p50 ms", "TTFT p99 ms",
-                             "e2e p99 ms", "req/s", "out tok/s", "goodput", "preempt", "prefix hit",
-                             "KV spread", "KV peak", "router CPU"], table))
+def _mean(a: dict[str, Any], m: str) -> float | None:
+    return a[m][0] if a.get(m) else None
+
+
+def _cell(a: dict[str, Any], m: str, scale: float = 1.0, digits: int = 0, unit: str = "") -> str:
+    v = a.get(m)
+    if not v:
+        return "-"
+    mean, lo, hi, _ = (x * scale for x in v)
+    if a["repeats"] < 2 or lo == hi:
+        return f"{mean:.{digits}f}{unit}"
+    return f"{mean:.{digits}f}{unit} ({lo:.{digits}f}-{hi:.{digits}f})"
+
+
+def verdicts(aggs: list[dict[str, Any]]) -> list[list[str]]:
+    """Issue 9's bar per (family, load): kvroute's default against the best peer and the oracle (means)."""
+    out = []
+    keys = sorted({(a["family"], a["load"]) for a in aggs}, key=lambda k: (k[0], k[1] != "closed", k[1]))
+    for family, load in keys:
+        cell = [a for a in aggs if a["family"] == family and a["load"] == load]
+        mine = next((a for a in cell if a["route"] == "kvroute:default"), None)
+        peers = [a for a in cell if a["route"].split(":")[0] in PEERS]
+        oracle = next((a for a in cell if a["route"] == "oracle"), None)
+        if mine is None or not peers:
+            continue
+        misses = []
+        rate = "makespan_s" if load == "closed" else "req_per_s"
+        best_rate = (min if rate == "makespan_s" else max)(_mean(p, rate) or 0 for p in peers)
+        mr = _mean(mine, rate) or 0
+        if (mr > best_rate * 1.0 if rate == "makespan_s" else mr < best_rate):
+            misses.append(f"{'makespan' if rate == 'makespan_s' else 'throughput'} {mr:.2f} vs best peer {best_rate:.2f}")
+        best_good = max(_mean(p, "goodput_frac") or 0 for p in peers)
+        if (_mean(mine, "goodput_frac") or 0) < best_good:
+            misses.append(f"goodput {100 * (_mean(mine, 'goodput_frac') or 0):.0f}% vs {100 * best_good:.0f}%")
+        p99s = [_mean(p, "ttft_p99") for p in peers if _mean(p, "ttft_p99") is not None]
+        mp99 = _mean(mine, "ttft_p99")
+        if p99s and mp99 is not None and mp99 > 0.7 * min(p99s):
+            misses.append(f"TTFT p99 {mp99 * 1000:.0f} ms > 0.7 x best peer's {min(p99s) * 1000:.0f} ms")
+        refused = (_mean(mine, "rejected_429") or 0) + (_mean(mine, "rejected_503") or 0)
+        if refused > 0:
+            misses.append(f"refused {refused:.1f} per run")
+        hits = [_mean(p, "prefix_hit") for p in peers if _mean(p, "prefix_hit") is not None]
+        if hits and (_mean(mine, "prefix_hit") or 0) < max(hits):
+            misses.append(f"prefix hit {100 * (_mean(mine, 'prefix_hit') or 0):.0f}% < {100 * max(hits):.0f}%")
+        if oracle and mp99 is not None and _mean(oracle, "ttft_p99") and mp99 > 1.2 * _mean(oracle, "ttft_p99"):
+            misses.append(f"p99 > 1.2 x oracle's {_mean(oracle, 'ttft_p99') * 1000:.0f} ms")
+        out.append([family, _load_name(load), "meets the bar" if not misses else "; ".join(misses)])
+    return out
+
+
+def _load_name(load: str) -> str:
+    return "closed loop" if load == "closed" else f"{float(load) * 100:.0f}%"
+
+
+def render(data: dict[str, Any]) -> str:
+    meta, aggs = data["meta"], aggregate(data["rows"])
+    out = [f"# Routing quality matrix{' (QUICK RUN: NOT MEANINGFUL)' if meta['quick'] else ''}\n"]
+    if meta["quick"]:
+        out.append("**Quick run** (fewer than 1000 requests per cell or fewer than 3 repeats): the figures below "
+                   "show that the bench runs, not how the routers compare.\n")
+    out.append(f"{meta['environment']}; run took {meta['took_s']:.0f} s. Command: `{meta['command']}`\n")
+    out.append(f"Fleet per cell (fresh sim processes every cell): {meta['workers']} sim workers, preset "
+               f"{meta['preset']}, time scale {meta['time_scale']} (times are simulated seconds), KV per worker as "
+               f"the family sets it. {meta['requests']} requests per cell, {meta['repeats']} repeats; figures are "
+               f"the mean with (min-max) over repeats. Closed loop: {meta['closed_clients']} clients per worker, "
+               f"the figure of merit is the makespan. Open loop: Poisson (or bursty) arrivals at the given fraction "
+               f"of capacity = steady-state closed-loop throughput through `{meta['calibrate_route']}`. "
+               f"Goodput = share of all requests (refused ones included) with TTFT <= {meta['ttft_slo']:g} s. "
+               f"Prefix hit, prefilled tokens, preemptions and requests per worker are the engines' own counters "
+               f"(/sim/state deltas). kvroute's default policy: `{meta['default_policy']}`.\n")
+    v = verdicts(aggs)
+    if v:
+        out.append("## kvroute default vs issue 9's bar (best peer; oracle)\n")
+        out.append(md_table(["family", "load", "verdict"], v))
         out.append("")
-        for failure in sec.get("failed_cells", []):
-            out.append(f"- cell not run: {failure}")
-        for png in sec.get("plots", []):
+    for family in [f for f in KINDS if any(a["family"] == f for a in aggs)]:
+        fam = meta["families"].get(family, {})
+        out.append(f"## ({FAMILIES[family][0]}) {family}: {FAMILIES[family][1]}\n")
+        out.append(f"KV per worker {fam.get('kv_tokens')} tokens; shared prefixes {fam.get('shared_prefix_tokens')} "
+                   f"tokens; capacity {fmt(fam.get('capacity'), ' req/s', 2)} (simulated).\n")
+        rows = []
+        cell = sorted((a for a in aggs if a["family"] == family),
+                      key=lambda a: (a["load"] != "closed", a["load"], a["route"]))
+        for a in cell:
+            rows.append([_load_name(a["load"]), a["label"], a["repeats"],
+                         _cell(a, "makespan_s", digits=1) if a["load"] == "closed" else _cell(a, "req_per_s", digits=2),
+                         _cell(a, "ttft_p50", 1000), _cell(a, "ttft_p99", 1000), _cell(a, "goodput_frac", 100, 0, "%"),
+                         f"{_cell(a, 'rejected_429')}/{_cell(a, 'rejected_503')}", _cell(a, "failed"),
+                         _cell(a, "prefix_hit", 100, 0, "%"), _cell(a, "prefill_tokens", 1e-3, 0, "k"),
+                         _cell(a, "preemptions"), "/".join(str(x) for x in a["per_worker"])])
+        out.append(md_table(["load", "route", "reps", "makespan s (closed) / req/s (open)", "TTFT p50 ms",
+                             "TTFT p99 ms", "goodput", "429/503", "failed", "prefix hit", "prefilled",
+                             "preempt", "requests per worker"], rows))
+        out.append("")
+        for failure in data.get("failed_cells", []):
+            if failure.startswith(family + " "):
+                out.append(f"- cell not run: {failure}")
+        for png in fam.get("plots", []):
             out.append(f"![{png}]({png})")
         out.append("")
     return "\n".join(out)
 
 
+# ---- command line --------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workloads", default=",".join(KINDS))
-    p.add_argument("--loads", default=",".join(str(x) for x in LOADS), help="fractions of calibrated capacity")
-    p.add_argument("--routes", default=",".join(f"{k}:{v}" for k, v in ROUTES),
-                   help="comma-separated kind:policy (kind kvroute, direct or a peer name)")
+    p.add_argument("--families", default=",".join(KINDS), help=f"comma-separated, from {', '.join(KINDS)}")
+    p.add_argument("--loads", default=",".join(LOADS), help="'closed' and/or fractions of measured capacity")
+    p.add_argument("--routes", default=",".join(ROUTES),
+                   help="comma-separated kind:policy; kind kvroute (policy 'default' = ProxyConfig's), oracle, "
+                        "direct (client-side round robin) or a peer (sglang-router, vllm-router, lmdeploy)")
+    p.add_argument("--repeats", type=int, default=REPEATS)
+    p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS, help="requests per cell")
     p.add_argument("--workers", type=int, default=WORKERS)
-    p.add_argument("--duration", type=float, default=6.0, help="simulated seconds of arrivals per cell")
-    p.add_argument("--time-scale", type=float, default=1.0, help="sim time scale (results are in simulated time)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="sim time scale; >1 makes report-driven routing see staler state (interval x scale)")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--preset", default=PRESET, help="sim preset of every worker")
-    p.add_argument("--kv-tokens", type=int, default=KV_CAPACITY_TOKENS, help="KV capacity per worker (tokens)")
-    p.add_argument("--calibrate-requests", type=int, default=600)
-    p.add_argument("--calibrate-seconds", type=float, default=10.0, help="wall-time cap of the calibration")
-    p.add_argument("--calibrate-concurrency", type=int, default=64, help="closed-loop clients per worker")
-    p.add_argument("--out-dir", type=Path, default=None)
-    p.add_argument("--name", default="quality")
+    p.add_argument("--preset", default=PRESET)
+    p.add_argument("--kv-tokens", type=int, default=None, help="override the family's KV cap per worker")
+    p.add_argument("--closed-clients", type=int, default=CLOSED_CLIENTS_PER_WORKER, help="closed-loop clients per worker")
+    p.add_argument("--ttft-slo", type=float, default=TTFT_SLO_S, help="goodput threshold, simulated seconds")
+    p.add_argument("--calibrate-route", default="oracle")
+    p.add_argument("--calibrate-requests", type=int, default=800)
+    p.add_argument("--calibrate-seconds", type=float, default=90.0, help="wall-time cap of the calibration")
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help="default bench/results/, or bench/.runs/quick-results/ for a quick run")
+    p.add_argument("--name", default="quality-matrix")
+    p.add_argument("--render", type=Path, default=None, help="only regenerate the markdown from this JSON file")
+
+
+def is_quick(requests: int, repeats: int) -> bool:
+    """A run too small to compare routers: written outside bench/results/ and marked not meaningful."""
+    return requests < DEFAULT_REQUESTS or repeats < REPEATS
 
 
 def run(args: argparse.Namespace) -> int:
-    routes = [tuple(r.split(":", 1)) if ":" in r else (r, "") for r in args.routes.split(",") if r]
-    loads = [float(x) for x in args.loads.split(",")]
+    if args.render:
+        data = json.loads(args.render.read_text())
+        args.render.with_suffix(".md").write_text(render(data))
+        print(args.render.with_suffix(".md"))
+        return 0
+    families = [f for f in args.families.split(",") if f]
+    loads = [x.strip() for x in args.loads.split(",") if x.strip()]
+    routes = [r for r in args.routes.split(",") if r]
+    for f in families:
+        if f not in FAMILIES:
+            raise SystemExit(f"unknown family {f!r}; known: {', '.join(KINDS)}")
+    quick = is_quick(args.requests, args.repeats)
+    out_dir = args.out_dir or (QUICK_DIR if quick else None)
+    import shlex
+    import sys
+
+    data: dict[str, Any] = {"meta": {
+        "quick": quick, "environment": environment_note(), "command": "kvroute bench quality " +
+        shlex.join(sys.argv[sys.argv.index("quality") + 1:] if "quality" in sys.argv else sys.argv[1:]),
+        "workers": args.workers, "preset": args.preset, "time_scale": args.time_scale, "requests": args.requests,
+        "repeats": args.repeats, "closed_clients": args.closed_clients, "calibrate_route": args.calibrate_route,
+        "ttft_slo": args.ttft_slo, "default_policy": default_policy(), "families": {}, "took_s": 0.0},
+        "rows": [], "failed_cells": []}
     log_dir = Path(__file__).resolve().parent / ".runs" / f"quality-{int(time.time())}"
-    sections: list[dict[str, Any]] = []
     t_start = time.time()
-    for kind in args.workloads.split(","):
-        sections.append(run_workload(args, kind, routes, loads, log_dir))
-        write_results(args, sections, t_start)  # after each workload: a cut-short run keeps what it has
-    print(write_results(args, sections, t_start))
-    return 0 if not any(s["failed_cells"] for s in sections) else 1
-
-
-def run_workload(args: argparse.Namespace, kind: str, routes: list[tuple[str, str]], loads: list[float],
-                 log_dir: Path) -> dict[str, Any]:
-    """Calibrate one workload's fleet, then run every (load, route) cell on it; plots included."""
-    w = load_or_generate(kind, args.seed, 2000)
-    rows: list[dict[str, Any]] = []
-    failed_cells: list[str] = []
-    with Fleet(log_dir / kind, fleet_workers(kind, args.workers, args.time_scale, args.preset,
-                                             args.kv_tokens)) as fleet:
-        capacity_wall = calibrate(fleet, w, args.calibrate_requests, args.calibrate_concurrency * args.workers,
-                                  args.calibrate_seconds)
-        capacity = capacity_wall / args.time_scale  # requests per simulated second
-        n = min(len(w.requests), max(30, int(capacity * max(loads) * args.duration)))
-        print(f"[quality] {kind}: capacity {capacity:.2f} req/s (simulated); {n} requests per cell", flush=True)
+    total = len(families) * len(routes) * len(loads) * args.repeats
+    done_cells = 0
+    for family in families:
+        w = load_or_generate(family, args.seed, max(args.requests, DEFAULT_REQUESTS))
+        fam: dict[str, Any] = {"kv_tokens": args.kv_tokens or w.kv_tokens,
+                               "shared_prefix_tokens": w.shared_prefix_tokens(), "plots": []}
+        data["meta"]["families"][family] = fam
+        capacity_wall = None
+        if any(x != "closed" for x in loads):
+            capacity_wall = calibrate(args, w, log_dir / family / "calibrate")
+            fam["capacity"] = capacity_wall / args.time_scale
+            print(f"[quality] {family}: capacity {fam['capacity']:.2f} req/s (simulated)", flush=True)
+        ttfts: dict[tuple[str, str], list[float]] = {}
+        for rep in range(args.repeats):  # repeats outermost: drift on the machine spreads over every route
+            for load in loads:
+                for route in routes:
+                    rate = None if load == "closed" else capacity_wall * float(load)
+                    salt = f"{family}-{load}-{route}-{rep}-{time.time()}"
+                    t0 = time.time()
+                    try:
+                        row = run_cell(args, w, route, load, rate or 1.0, salt,
+                                       log_dir / family / f"{load}-{route.replace(':', '-')}-{rep}")
+                    except Exception as exc:  # one broken router must not cost the other cells
+                        print(f"[quality]   {family} {load} {route} #{rep} FAILED: {exc}", flush=True)
+                        data["failed_cells"].append(f"{family} {load} {route} #{rep}: {str(exc)[:300]}")
+                        continue
+                    finally:
+                        done_cells += 1
+                    ttfts.setdefault((load, route), []).extend(row.pop("ttfts"))
+                    row.update(family=family, repeat=rep, label=route_label(route))
+                    data["rows"].append(row)
+                    eta = (time.time() - t_start) / done_cells * (total - done_cells)
+                    print(f"[quality]   {family} {load} {route} #{rep}: ok={row['ok']} 429/503={row['rejected_429']}/"
+                          f"{row['rejected_503']} fail={row['failed']} ttft p50/p99={ms(row['ttft_p50'], digits=0)}/"
+                          f"{ms(row['ttft_p99'], digits=0)} ms goodput={100 * row['goodput_frac']:.0f}% "
+                          f"hit={fmt(row['prefix_hit'], digits=2)} preempt={row['preemptions']} "
+                          f"per worker={row['per_worker']} ({time.time() - t0:.0f} s; ETA {eta / 60:.0f} min)",
+                          flush=True)
+                    data["meta"]["took_s"] = time.time() - t_start
+                    write_all(data, args.name, out_dir)  # a cut-short run keeps what it has
         for load in loads:
-            for kind_r, policy in routes:
-                salt = f"{kind}-{load}-{kind_r}-{policy}-{time.time()}"
-                try:
-                    row = run_cell(fleet, w, kind_r, policy, capacity_wall * load, n, args.time_scale, salt)
-                except Exception as exc:  # one broken router must not cost the other cells
-                    print(f"[quality]   {int(load * 100)}% {kind_r}:{policy} FAILED: {exc}", flush=True)
-                    failed_cells.append(f"{int(load * 100)}% {kind_r}:{policy}: {str(exc)[:300]}")
-                    continue
-                row["load"] = load
-                rows.append(row)
-                print(f"[quality]   {int(load * 100)}% {row['route']}: ok={row['ok']} rej={row['rejected']} "
-                      f"fail={row['failed']} ttft p99={ms(row['ttft_p99'], digits=0)}ms "
-                      f"goodput={100 * row['goodput_frac']:.0f}% preempt={row['preemptions']} "
-                      f"kv peak={fmt(row['kv_peak'], digits=2)} hit={fmt(row['prefix_hit'], digits=2)} "
-                      f"router cpu={fmt(row['router_cpu'], digits=2)} chunks/s={row['chunks_per_wall_s']:.0f} "
-                      f"phases={ {k: round(v, 1) for k, v in row['phases_s'].items()} }", flush=True)
-    plots = []
-    for load in loads:
-        png = results_path(f"{args.name}-{kind}-{int(load * 100)}-ttft-cdf", ".png", args.out_dir)
-        if plot_cdfs(png, {r["route"]: r["ttfts"] for r in rows if r["load"] == load},
-                     f"{kind} at {int(load * 100)}% load: TTFT CDF (simulated ms)", "TTFT (ms), successful requests"):
-            plots.append(png.name)
-    png = results_path(f"{args.name}-{kind}-kv-spread", ".png", args.out_dir)
-    top = max(loads)
-    if plot_spread(png, {r["route"]: ([t * args.time_scale for t, _ in r["kv_series"]],
-                                      [max(u) - min(u) for _, u in r["kv_series"]])
-                         for r in rows if r["load"] == top},
-                   f"{kind} at {int(top * 100)}% load: KV usage spread (max - min across workers)", "KV usage spread"):
-        plots.append(png.name)
-    return {"kind": kind, "capacity": capacity, "n": n, "rows": rows, "plots": plots, "failed_cells": failed_cells}
+            png = results_path(f"{args.name}-{family}-{load}-ttft-cdf", ".png", out_dir)
+            if plot_cdfs(png, {route_label(r): ttfts.get((load, r), []) for r in routes},
+                         f"{family}, {_load_name(load)}: TTFT CDF, all repeats (simulated ms)", "TTFT (ms)"):
+                fam["plots"].append(png.name)
+    data["meta"]["took_s"] = time.time() - t_start
+    print(write_all(data, args.name, out_dir))
+    return 0 if not data["failed_cells"] else 1
 
 
-def write_results(args: argparse.Namespace, sections: list[dict[str, Any]], t_start: float) -> str:
-    header = (f"# Routing quality\n\n{environment_note()}; run took {time.time() - t_start:.0f} s.\n\n"
-              f"Fleet: {args.workers} sim workers, preset {args.preset}, KV capped at {args.kv_tokens} tokens "
-              f"per worker, time scale {args.time_scale} (all times below are simulated). Offered load = "
-              f"fraction of the capacity measured by a closed-loop calibration through client-side round "
-              f"robin ({args.calibrate_concurrency} clients per worker). Each cell: {args.duration:g} s of "
-              f"arrivals. Goodput = share of all requests (rejected ones included) with TTFT <= "
-              f"{TTFT_SLO_S:.0f} s. KV spread = time-mean of (max - min) KV usage across workers, sampled "
-              f"every 0.5 s. Router CPU = share of one core. Workload seed {args.seed}.\n")
-    text = render(sections, header)
-    results_path(args.name, ".md", args.out_dir).write_text(text)
-    write_json(results_path(args.name, ".json", args.out_dir),
-               [{**{k: v for k, v in r.items() if k not in ("ttfts", "kv_series")}, "kind": s["kind"]}
-                for s in sections for r in s["rows"]])
+def write_all(data: dict[str, Any], name: str, out_dir: Path | None) -> str:
+    write_json(results_path(name, ".json", out_dir), data)
+    text = render(data)
+    results_path(name, ".md", out_dir).write_text(text)
     return text
 
 

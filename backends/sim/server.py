@@ -7,7 +7,8 @@ Faults: --fail-rate answers that fraction of completion requests with HTTP 500; 
 serves N completion requests and exits abruptly (os._exit(1), no drain) when request N+1 arrives;
 --stall-after N freezes the engine once request N+1 is admitted (no more tokens for anyone, while
 /health still answers, like a hung GPU); --slow-start S waits S wall seconds before listening.
-Besides vLLM's routes it serves GET /sim/state: the engine's internals as JSON, for tests and benchmarks.
+Besides vLLM's routes it serves GET /sim/state: the engine's internals as JSON, for tests and benchmarks,
+and POST /sim/probe: a request body's cached prefix and the queues ahead of it (read-only; bench/oracle.py).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class SimServer:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_get("/sim/state", self.state)
+        app.router.add_post("/sim/probe", self.probe)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -136,6 +138,31 @@ class SimServer:
             "prefix_cache_hit_rate": sched.recent_prefix_hit_rate, "in_flight": self.in_flight,
             "requests_received": self.requests_received, "draining": self.draining, "stalled": self.engine.stalled,
         }
+
+    async def probe(self, request: web.Request) -> web.Response:
+        """What this engine holds for a request body, read-only: its tokens, the cached prefix, and the queues
+        ahead of it (bench/oracle.py's zero-delay view of the true state; not part of vLLM's API)."""
+        try:
+            body = orjson.loads(await request.read())
+            prompt = chat_prompt(body["messages"]) if "messages" in body else completion_prompt(body.get("prompt", ""))
+        except (orjson.JSONDecodeError, ValueError, TypeError, AttributeError, KeyError) as exc:
+            return _error(400, f"cannot probe: {exc}", "BadRequestError")
+        sched, kv = self.engine.scheduler, self.engine.kv
+        cached = len(kv.find_cached_prefix(prompt.token_ids)) * kv.block_size
+        media_uncached = sum(max(0, s + n - max(s, cached)) for s, n in prompt.media_spans)
+        waiting = []
+        for r in list(sched.waiting)[:256]:
+            hit = len(kv.find_cached_prefix(r.token_ids, r.full_block_hashes(kv.block_size))) * kv.block_size
+            waiting.append([r.num_tokens - hit, r.max_tokens - r.num_output_tokens])
+        running = [[r.num_tokens - r.num_computed_tokens, r.max_tokens - r.num_output_tokens,
+                    len(kv.blocks_of(r.request_id)), r.num_tokens] for r in sched.running]
+        return _json({"model": self.model, "preset": self.preset.name, "time_scale": self.engine.time_scale,
+                      "prompt_tokens": len(prompt.token_ids), "cached_tokens": cached,
+                      "media_tokens_uncached": media_uncached, "block_size": kv.block_size,
+                      "num_blocks": kv.num_blocks, "free_blocks": kv.num_free_blocks,
+                      "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
+                      "frontend_pending": len(self.engine._queues) - len(sched.waiting) - len(sched.running),
+                      "waiting": waiting, "running": running, "draining": self.draining})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         try:

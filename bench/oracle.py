@@ -1,0 +1,207 @@
+"""The oracle route (bench only): a tiny router that sees each sim worker's TRUE engine state with zero delay.
+
+Owns the oracle's TTFT prediction and its forwarding; it is a bound for the quality benchmark, never a policy.
+For every request it asks every sim worker serving the body's model `POST /sim/probe` (the request's
+cached prefix there, the waiting and running queues, free KV blocks: read from the engine itself, no
+report interval), predicts the request's TTFT on each with the sim's own step-time model
+(backends/sim/cost.py), and forwards the request to the minimum.
+
+Prediction on worker w (simulated seconds), with R running sequences and a token budget B per step:
+- prefill work ahead = uncached prompt tokens of the waiting queue + unfinished prefill of running ones
+  + requests this oracle sent to w whose probe may not show them yet (in transit);
+- steps = ceil((work ahead + this request's uncached tokens) / max(1, B - R)), each costing one step of
+  step_time_s(B - R prefill tokens alongside R decodes) -> queue+prefill time; plus the vision encoder for
+  the request's uncached image tokens (8 x ViT params FLOPs each);
+- KV wait: if the blocks needed (work ahead and this request) exceed the free blocks, the time until enough
+  running sequences finish to free them (their remaining decode tokens x one decode step).
+The greedy choice is the lowest predicted TTFT for this request (ties: fewer sequences); it ignores what it
+evicts, so it is a strong reference, not a proof of optimality. Run: python -m bench.oracle --port P URL...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from backends.sim.cost import StepWork, step_time_s
+from backends.sim.presets import Preset, get_preset
+
+WORKER_HEADER = "x-kvroute-worker"
+IN_TRANSIT_KEEP_S = 2.0  # how long an acknowledged send still counts as possibly unseen by later probes
+
+
+@dataclass
+class Sent:
+    uncached_tokens: int
+    blocks: int
+    acked_at_probe: int | None = None  # probe counter when the worker answered (then the engine has it)
+    acked_wall: float = 0.0
+
+
+@dataclass
+class WorkerView:
+    url: str
+    model: str = ""
+    in_transit: list[Sent] = field(default_factory=list)
+
+
+def predict_ttft_s(preset: Preset, probe: dict[str, Any], extra_ahead_tokens: int = 0,
+                   extra_ahead_blocks: int = 0) -> float:
+    """Predicted TTFT (simulated seconds) of the probed request on the probed worker (see module docstring)."""
+    running, waiting = probe["running"], probe["waiting"]
+    r = len(running)
+    budget = max(1, probe["max_num_batched_tokens"] - r)
+    mine = max(1, probe["prompt_tokens"] - probe["cached_tokens"])
+    ahead = sum(w[0] for w in waiting) + sum(x[0] for x in running) + extra_ahead_tokens
+    total = ahead + mine
+    steps = math.ceil(total / budget)
+    avg_ctx = (sum(x[3] for x in running) / r) if r else 0.0
+    chunk = min(total, budget)
+    step = step_time_s(preset, StepWork(prefill_tokens=chunk, decode_seqs=r, prefill_seqs=1,
+                                        kv_tokens_read=int(r * avg_ctx + chunk), attention_pairs=chunk * chunk // 2))
+    vit = 8.0 * preset.vit_params * probe["media_tokens_uncached"] / (preset.peak_flops * preset.mfu)
+    t = steps * step + vit
+    # KV: blocks the queue ahead and this request need beyond what is free now
+    bs = probe["block_size"]
+    need = (-(-mine // bs) + sum(-(-w[0] // bs) for w in waiting) + extra_ahead_blocks
+            + sum(-(-x[0] // bs) for x in running))
+    deficit = need - probe["free_blocks"]
+    if deficit > 0 and running:
+        decode_step = step_time_s(preset, StepWork(decode_seqs=r, kv_tokens_read=int(r * avg_ctx)))
+        freed = 0
+        for _prefill, rest_decode, held, _ in sorted(running, key=lambda x: x[1]):
+            freed += held
+            if freed >= deficit:
+                t += rest_decode * decode_step
+                break
+        else:
+            t += max(x[1] for x in running) * decode_step * math.ceil(deficit / max(1, freed))
+    if r + len(waiting) >= probe["max_num_seqs"] and running:
+        t += min(x[1] for x in running) * step_time_s(preset, StepWork(decode_seqs=r))
+    return t
+
+
+class Oracle:
+    def __init__(self, urls: list[str]) -> None:
+        self.workers = [WorkerView(u) for u in urls]
+        self.presets: dict[str, Preset] = {}
+        self._probes = itertools.count()
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self, _app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                             timeout=aiohttp.ClientTimeout(total=600))
+        for w in self.workers:
+            async with self.session.get(w.url + "/v1/models") as resp:
+                w.model = (await resp.json())["data"][0]["id"]
+
+    async def stop(self, _app: web.Application) -> None:
+        if self.session:
+            await self.session.close()
+
+    async def _probe(self, w: WorkerView, raw: bytes) -> dict[str, Any] | None:
+        assert self.session is not None
+        try:
+            async with self.session.post(w.url + "/sim/probe", data=raw,
+                                         headers={"Content-Type": "application/json"}) as resp:
+                return await resp.json() if resp.status == 200 else None
+        except aiohttp.ClientError:
+            return None
+
+    async def models(self, _request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "owned_by": "oracle"} for m in sorted({w.model for w in self.workers})]
+        return web.json_response({"object": "list", "data": data})
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            model = orjson.loads(raw).get("model")
+        except orjson.JSONDecodeError:
+            return web.json_response({"error": {"message": "invalid JSON", "type": "BadRequestError"}}, status=400)
+        candidates = [w for w in self.workers if w.model == model]
+        if not candidates:
+            return web.json_response({"error": {"message": f"model {model!r} not served", "type": "NotFoundError",
+                                                "code": 404}}, status=404)
+        seq = next(self._probes)
+        probes = await asyncio.gather(*(self._probe(w, raw) for w in candidates))
+        now = time.monotonic()
+        best: tuple[float, int, WorkerView, dict[str, Any]] | None = None
+        for w, p in zip(candidates, probes, strict=True):
+            if p is None or p.get("draining"):
+                continue
+            w.in_transit = [s for s in w.in_transit if s.acked_at_probe is None or now - s.acked_wall < IN_TRANSIT_KEEP_S]
+            unseen = [s for s in w.in_transit if s.acked_at_probe is None or s.acked_at_probe > seq]
+            preset = self.presets.get(p["preset"]) or self.presets.setdefault(p["preset"], get_preset(p["preset"]))
+            t = predict_ttft_s(preset, p, sum(s.uncached_tokens for s in unseen), sum(s.blocks for s in unseen))
+            key = (t, len(p["running"]) + len(p["waiting"]) + len(unseen))
+            if best is None or key < best[:2]:
+                best = (*key, w, p)
+        if best is None:
+            return web.json_response({"error": {"message": "no worker answered the probe",
+                                                "type": "ServiceUnavailableError", "code": 503}}, status=503)
+        _, _, w, p = best
+        uncached = max(1, p["prompt_tokens"] - p["cached_tokens"])
+        sent = Sent(uncached, -(-uncached // p["block_size"]))
+        w.in_transit.append(sent)
+        return await self._relay(request, w, raw, sent)
+
+    async def _relay(self, request: web.Request, w: WorkerView, raw: bytes, sent: Sent) -> web.StreamResponse:
+        assert self.session is not None
+        try:
+            async with self.session.post(w.url + request.path, data=raw,
+                                         headers={"Content-Type": "application/json"}) as up:
+                sent.acked_at_probe, sent.acked_wall = next(self._probes), time.monotonic()
+                resp = web.StreamResponse(status=up.status, headers={
+                    "Content-Type": up.headers.get("Content-Type", "application/json"), WORKER_HEADER: w.url})
+                await resp.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+        except aiohttp.ClientError as exc:
+            return web.json_response({"error": {"message": f"upstream: {exc}", "type": "BadGatewayError",
+                                                "code": 502}}, status=502)
+        finally:
+            if sent.acked_at_probe is None:
+                sent.acked_at_probe, sent.acked_wall = -1, time.monotonic()
+
+
+def build_app(urls: list[str]) -> web.Application:
+    oracle = Oracle(urls)
+    app = web.Application(client_max_size=64 * 1024**2)
+    app.router.add_post("/v1/chat/completions", oracle.forward)
+    app.router.add_post("/v1/completions", oracle.forward)
+    app.router.add_get("/v1/models", oracle.models)
+    app.router.add_get("/health", oracle.health)
+    app.on_startup.append(oracle.start)
+    app.on_cleanup.append(oracle.stop)
+    return app
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("urls", nargs="+", help="sim worker base URLs")
+    args = p.parse_args()
+    import uvloop
+
+    uvloop.install()
+    web.run_app(build_app(args.urls), host=args.host, port=args.port, access_log=None, print=None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

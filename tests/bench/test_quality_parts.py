@@ -1,0 +1,91 @@
+"""In-process checks of the quality benchmark's parts: saved workloads, the oracle's prediction, the verdicts.
+
+No processes: the smoke run in test_bench_smoke.py covers the fleet, the routers and the result files.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from backends.sim.presets import get_preset
+from bench.oracle import predict_ttft_s
+from bench.quality import QUICK_DIR, aggregate, is_quick, render, verdicts
+from bench.workloads import KINDS, MODEL_B, generate, load_or_generate
+
+
+def test_saved_kv_pressure_workload_fits_the_fleet_but_not_one_worker():
+    w = load_or_generate("kv_pressure", 1, 1000)  # the file shipped in bench/workloads/
+    assert len(w.requests) == 1000
+    ratio = w.shared_prefix_tokens() / w.kv_tokens
+    assert 1.0 < ratio < 4.0  # more than one worker's cache...
+    assert w.shared_prefix_tokens() < 0.75 * 4 * w.kv_tokens  # ...well inside four workers' caches
+    assert any(isinstance(m["content"], list) for r in w.requests for m in r["body"]["messages"])  # images too
+
+
+def test_every_family_is_seeded_and_sessions_wait_for_their_previous_turn():
+    for kind in KINDS:
+        a, b = generate(kind, 7, 80), generate(kind, 7, 80)
+        assert a.requests == b.requests, kind
+        assert len(a.requests) == 80
+    s = generate("sessions", 7, 80)
+    chained = [(i, r) for i, r in enumerate(s.requests) if "after" in r]
+    assert chained
+    for i, r in chained:
+        prev = s.requests[r["after"]]
+        assert r["after"] < i and prev["tag"] == r["tag"]
+        # the history grows: the previous turn's messages are a prefix of this one's
+        assert r["body"]["messages"][:len(prev["body"]["messages"])] == prev["body"]["messages"]
+    two = generate("two_models", 7, 80)
+    assert MODEL_B in two.worker_models_for(4) and MODEL_B in {r["body"]["model"] for r in two.requests}
+    lengths = generate("lengths", 7, 200)
+    sizes = [int(r["tag"][3:]) for r in lengths.requests]
+    assert min(sizes) < 300 and max(sizes) > 5000
+
+
+def _probe(**kw):
+    p = {"prompt_tokens": 4000, "cached_tokens": 0, "media_tokens_uncached": 0, "block_size": 16,
+         "num_blocks": 2048, "free_blocks": 2048, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
+         "waiting": [], "running": []}
+    p.update(kw)
+    return p
+
+
+def test_oracle_prefers_the_cached_prefix_and_prices_queues_images_and_full_caches():
+    preset = get_preset("h100-qwen3-vl-8b")
+    cold = predict_ttft_s(preset, _probe())
+    warm = predict_ttft_s(preset, _probe(cached_tokens=3984))
+    assert warm < cold
+    queued = predict_ttft_s(preset, _probe(cached_tokens=3984, waiting=[[8000, 64]] * 4))
+    assert queued > cold  # four cold 8k prompts ahead cost more than prefilling 4k here
+    assert predict_ttft_s(preset, _probe(media_tokens_uncached=3072)) > cold
+    running = [[0, 100, 100, 1600]] * 16
+    full = predict_ttft_s(preset, _probe(free_blocks=10, running=running))
+    assert full > predict_ttft_s(preset, _probe(running=copy.deepcopy(running)))
+
+
+def _row(route, p99, load="closed", hit=0.8, rej=0):
+    return {"family": "kv_pressure", "load": load, "route": route, "repeat": 0, "req_per_s": 10.0,
+            "makespan_s": 50.0, "ttft_p50": 0.1, "ttft_p99": p99, "goodput_frac": 0.9, "rejected_429": rej,
+            "rejected_503": 0, "failed": 0, "prefix_hit": hit, "prefill_tokens": 1000, "preemptions": 0,
+            "per_worker": [250, 250, 250, 250]}
+
+
+def test_verdict_names_each_missed_criterion_and_the_markdown_comes_from_the_rows():
+    rows = [_row("kvroute:default", 1.0), _row("kvroute:default", 1.2), _row("sglang-router:cache_aware", 1.0),
+            _row("oracle", 0.5), _row("kvroute:default", 0.3, "0.95"), _row("vllm-router:cache_aware", 1.0, "0.95"),
+            _row("oracle", 0.3, "0.95")]
+    v = {(f, load): text for f, load, text in verdicts(aggregate(rows))}
+    assert "TTFT p99 1100 ms > 0.7 x best peer's 1000 ms" in v[("kv_pressure", "closed loop")]
+    assert "oracle" in v[("kv_pressure", "closed loop")]
+    assert v[("kv_pressure", "95%")] == "meets the bar"
+    meta = {"quick": True, "environment": "env", "took_s": 1.0, "command": "kvroute bench quality", "workers": 4,
+            "preset": "p", "time_scale": 1.0, "requests": 10, "repeats": 2, "closed_clients": 32,
+            "calibrate_route": "oracle", "ttft_slo": 1.0, "default_policy": "kv_aware",
+            "families": {"kv_pressure": {"kv_tokens": 32768, "shared_prefix_tokens": 61000, "capacity": 20.0}}}
+    md = render({"meta": meta, "rows": rows})
+    assert "NOT MEANINGFUL" in md and "1100 (1000-1200)" in md  # mean (min-max) over the two repeats
+
+
+def test_small_runs_are_quick_and_go_outside_the_results_folder():
+    assert is_quick(999, 3) and is_quick(1000, 2) and not is_quick(1000, 3)
+    assert "results" not in QUICK_DIR.parts
