@@ -11,8 +11,8 @@ bias is the fixed part (HTTP, chat template, scheduling, the first step), s_tok 
 prompt token prefilled, s_vis the extra seconds per image/video token its vision encoder costs.
 theta = (bias, s_tok, s_vis) is fitted by recursive least squares with forgetting factor
 FORGET on observations  y = measured TTFB - predicted queueing delay,  x = (1, uncached,
-uncached_media), starting from PRIORS with variance PRIOR_SD^2 (so the prior acts as ridge
-regularisation until observations outweigh it). A worker that reports its own prefill rate
+uncached_media), starting from the priors with variance PRIOR_SD^2 against a measurement noise of
+NOISE_SD^2 (so the prior acts as ridge regularisation until observations outweigh it). A worker that reports its own prefill rate
 (prefill_tokens_per_s) adds a pseudo-observation on s_tok; its decode step time (decode_step_s)
 is smoothed directly. `turnover_s` (first token -> completion, how long a request holds its KV)
 is an exponential average of what the proxy measures on streamed requests.
@@ -31,8 +31,10 @@ PRIOR_PREFILL_TOKENS_PER_S = 10_000.0
 PRIOR_VISION_EXTRA = 0.3
 PRIOR_DECODE_STEP_S = 0.02
 PRIOR_OUTPUT_TOKENS = 256
-# Prior standard deviations of theta: how far one observation may move each parameter.
+# Prior standard deviations of theta, and of one TTFT measurement's noise (jitter of a step, of
+# the event loops): their ratio sets how many observations it takes to move away from a prior.
 PRIOR_SD = (0.05, 2e-4, 2e-4)
+NOISE_SD = 0.005
 # RLS forgetting: ~1/(1-FORGET) = 50 recent observations dominate, so a worker that slows down
 # (a noisy neighbour, thermal throttling, a bigger batch) is re-learnt within a few seconds of load.
 FORGET = 0.98
@@ -52,7 +54,8 @@ class WorkerModel:
     def __init__(self) -> None:
         s_tok = 1.0 / PRIOR_PREFILL_TOKENS_PER_S
         self.theta = [PRIOR_BIAS_S, s_tok, PRIOR_VISION_EXTRA * s_tok]
-        self.cov = [[PRIOR_SD[i] ** 2 if i == j else 0.0 for j in range(3)] for i in range(3)]
+        # covariance in units of the measurement noise's variance (what RLS's gain formula assumes)
+        self.cov = [[_prior_var(i) if i == j else 0.0 for j in range(3)] for i in range(3)]
         self.decode_step_s = PRIOR_DECODE_STEP_S
         self.turnover_s: float | None = None
         self.observations = 0
@@ -125,12 +128,16 @@ class WorkerModel:
         # Without fresh excitation (e.g. no images) forgetting would inflate a direction without
         # bound ("wind-up"); the prior's variance is the most any direction may have.
         for i in range(3):
-            limit = PRIOR_SD[i] ** 2
+            limit = _prior_var(i)
             if p[i][i] > limit:
                 scale = (limit / p[i][i]) ** 0.5
                 for j in range(3):
                     p[i][j] *= scale
                     p[j][i] *= scale
+
+
+def _prior_var(i: int) -> float:
+    return (PRIOR_SD[i] / NOISE_SD) ** 2
 
 
 @dataclass

@@ -1,0 +1,212 @@
+"""Admission: the proxy never holds what an engine would admit; held requests leave in FIFO order on events.
+
+Driven on a real Registry and AdmissionController with a hand-set clock: nothing here sleeps, and
+every release happens within loop turns of the event that caused it (no timer could have fired).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import orjson
+import pytest
+
+from proxy.config import ProxyConfig
+from proxy.errors import ProxyError
+from proxy.loadview import DISPATCH_VISIBLE_AFTER_S
+from proxy.protocol import LoadReport, WorkerRegistration
+from proxy.registry import Registry
+from proxy.request import CHAT, parse_request
+from proxy.routing.admission import AdmissionController
+from proxy.routing.base import PolicyDeps, make_policy
+from proxy.routing.prefix_index import PrefixIndex
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def setup(workers: dict[str, int | None] | None = None, **proxy: object):
+    """A registry with workers (id -> max_model_len), an admission controller and kv_cost."""
+    clock = Clock()
+    registry = Registry(clock=clock)
+    deps = PolicyDeps(prefix_index=PrefixIndex(), rng=random.Random(1))
+    admission = AdmissionController(registry, ProxyConfig(**proxy), deps.estimator)
+    policy = make_policy("kv_cost", deps)
+    for wid, max_len in (workers if workers is not None else {"a": None}).items():
+        registry.register(WorkerRegistration(worker_id=wid, url=f"http://{wid}", models=["m"], engine="sim",
+                                             kv_capacity_tokens=100_000, max_model_len=max_len))
+    return clock, registry, admission, policy
+
+
+_seq = iter(range(1, 10**9))
+
+
+def report(registry: Registry, wid: str, usage: float, running: int = 0, waiting: int = 0) -> None:
+    registry.record_report(wid, LoadReport(worker_id=wid, url=f"http://{wid}", models=["m"], engine="sim",
+                                           kv_cache_usage=usage, kv_capacity_tokens=100_000, num_running=running,
+                                           num_waiting=waiting, seq=next(_seq)))
+
+
+def chat(text: str = "hello", max_tokens: int | None = 16, kind: str = CHAT):
+    body: dict = {"model": "m", "messages": [{"role": "user", "content": text}]}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return parse_request(orjson.dumps(body), kind)
+
+
+def admit_without_suspending(admission, policy, request, tried=()):
+    """admit() driven by hand: it must finish at its first step, i.e. without waiting for anything."""
+    coro = admission.admit(policy, request, "m", set(tried), first_attempt=not tried)
+    with pytest.raises(StopIteration) as done:
+        coro.send(None)
+    return done.value.value
+
+
+async def turns(n: int = 5) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+def test_a_full_kv_cache_that_is_not_queueing_gets_the_request_at_once():
+    _, registry, admission, policy = setup({"a": None, "b": None})
+    report(registry, "a", 0.99, running=60)
+    report(registry, "b", 0.98, running=60)
+    decision = admit_without_suspending(admission, policy, chat())
+    assert decision.worker.worker_id in {"a", "b"} and admission.queue_lengths() == {}
+
+
+def test_one_engine_that_admits_is_enough_even_when_the_others_queue():
+    _, registry, admission, policy = setup({"a": None, "b": None})
+    report(registry, "a", 1.0, running=60, waiting=12)
+    report(registry, "b", 0.95, running=60, waiting=0)
+    assert admit_without_suspending(admission, policy, chat()).worker.worker_id == "b"
+
+
+def start_visible(registry, clock, wid: str, count: int):
+    """`count` requests in flight on `wid` that its next report already shows."""
+    load = registry.get(wid).load
+    dispatches = [load.start_request(100, clock.now) for _ in range(count)]
+    clock.now += DISPATCH_VISIBLE_AFTER_S + 0.01
+    return dispatches
+
+
+def test_waiters_leave_in_arrival_order_one_per_completion_with_no_timer():
+    async def scenario():
+        clock, registry, admission, policy = setup({"a": None}, queue={"max_length": 8, "max_wait_s": 3600})
+        running = start_visible(registry, clock, "a", 4)
+        report(registry, "a", 1.0, running=2, waiting=2)  # the engine queues: late binding wins
+        tasks = [asyncio.create_task(admission.admit(policy, chat(f"q{i}"), "m", set(), True)) for i in range(3)]
+        await turns()
+        assert admission.queue_lengths() == {"m": 3} and not any(t.done() for t in tasks)
+        load = registry.get("a").load
+        released_at: dict[int, int] = {}  # waiter -> the completion that released it
+        for k, finished in enumerate(running, start=1):
+            load.finish_request(finished)   # what Dispatcher.end() does ...
+            admission.wake()                # ... and then this
+            await turns()
+            for i, task in enumerate(tasks):
+                if task.done() and i not in released_at:  # it is sent: Dispatcher.begin()'s accounting + wake
+                    released_at[i] = k
+                    load.start_request(100, clock.now)
+                    admission.wake()
+            await turns()
+        # the first 2 completions let in the 2 requests the engine had waiting; then one waiter per
+        # completion, first come first served
+        assert released_at == {0: 2, 1: 3, 2: 4}, released_at
+        assert admission.queue_lengths() == {"m": 0}
+
+    asyncio.run(scenario())
+
+
+def test_a_new_arrival_queues_behind_a_waiter_even_when_a_worker_just_freed():
+    async def scenario():
+        clock, registry, admission, policy = setup({"a": None}, queue={"max_length": 8, "max_wait_s": 3600})
+        report(registry, "a", 1.0, running=2, waiting=3)
+        first = asyncio.create_task(admission.admit(policy, chat("first"), "m", set(), True))
+        await turns()
+        registry.get("a").load.reading.num_waiting = 0  # room, but no event has said so yet
+        second = asyncio.create_task(admission.admit(policy, chat("second"), "m", set(), True))
+        await turns()
+        assert admission.queue_lengths() == {"m": 2}
+        admission.wake()
+        await turns()
+        assert first.done() and not second.done()
+        admission.wake()
+        await turns()
+        assert second.done()
+
+    asyncio.run(scenario())
+
+
+def test_the_queue_is_bounded_429_when_full_and_503_with_retry_after_past_the_wait():
+    async def scenario():
+        _, registry, admission, policy = setup({"a": None}, queue={"max_length": 1, "max_wait_s": 0.05})
+        report(registry, "a", 1.0, running=2, waiting=3)
+        held = asyncio.create_task(admission.admit(policy, chat(), "m", set(), True))
+        await turns()
+        with pytest.raises(ProxyError) as full:
+            await admission.admit(policy, chat(), "m", set(), True)
+        assert full.value.status == 429 and full.value.code == "queue_full"
+        with pytest.raises(ProxyError) as timed_out:
+            await held
+        assert timed_out.value.status == 503 and timed_out.value.code == "queue_timeout"
+        assert timed_out.value.headers["Retry-After"]
+        assert admission.queue_lengths() == {"m": 0}
+
+    asyncio.run(scenario())
+
+
+def test_a_request_for_a_model_without_workers_yet_waits_for_the_first_to_register():
+    async def scenario():
+        _, registry, admission, policy = setup({}, queue={"max_length": 8, "max_wait_s": 3600})
+        task = asyncio.create_task(admission.admit(policy, chat(), "m", set(), True))
+        await turns()
+        assert not task.done()
+        registry.register(WorkerRegistration(worker_id="late", url="http://late", models=["m"], engine="sim"))
+        await turns()
+        assert (await task).worker.worker_id == "late"
+
+    asyncio.run(scenario())
+
+
+def test_a_prompt_that_fits_no_worker_is_refused_400_context_length_exceeded():
+    _, _, admission, policy = setup({"a": 4096, "b": 8192})
+    with pytest.raises(ProxyError) as refused:
+        admit_without_suspending(admission, policy, chat("word " * 8000, max_tokens=100))  # ~10k tokens
+    error = refused.value
+    assert error.status == 400 and error.code == "context_length_exceeded" and error.param == "messages"
+    assert error.err_type == "invalid_request_error" and "maximum context length is 8192 tokens" in error.message
+    # max_tokens counts too, as vLLM checks it: prompt ~2000 + 7000 > 8192
+    with pytest.raises(ProxyError):
+        admit_without_suspending(admission, policy, chat("word " * 1600, max_tokens=7000))
+
+
+def test_a_prompt_that_fits_only_some_workers_goes_only_to_those():
+    _, registry, admission, policy = setup({"small": 4096, "big": 32768})
+    report(registry, "small", 0.0)
+    report(registry, "big", 0.9, running=50)  # busier, but the only one the prompt fits
+    for i in range(5):
+        decision = admit_without_suspending(admission, policy, chat(f"{i} " + "word " * 4000, max_tokens=64))
+        assert decision.worker.worker_id == "big"
+    assert admit_without_suspending(admission, policy, chat("short")).worker.worker_id == "small"
+
+
+def test_kv_high_water_below_one_keeps_the_old_gate_when_asked_for():
+    async def scenario():
+        _, registry, admission, policy = setup({"a": None}, kv_high_water=0.9,
+                                               queue={"max_length": 8, "max_wait_s": 3600})
+        report(registry, "a", 0.95)
+        task = asyncio.create_task(admission.admit(policy, chat(), "m", set(), True))
+        await turns()
+        assert not task.done()
+        report(registry, "a", 0.5)
+        await turns()
+        assert task.done()
+
+    asyncio.run(scenario())
