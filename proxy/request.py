@@ -23,9 +23,11 @@ from proxy.errors import bad_request
 # this many blocks: a longer prompt shares its first 64 KiB with another or not at all.
 PREFIX_BLOCK_BYTES = 128
 MAX_PREFIX_BLOCKS = 512
-# Rough text estimate: English-like text runs about 4 bytes per token in Qwen's BPE.
-BYTES_PER_TOKEN = 4
-TOKENS_PER_MESSAGE = 4  # chat-template framing around each message
+# Chat-template framing (Qwen3-VL's ChatML): `<|im_start|>` role `\n` ... `<|im_end|>` `\n` around each
+# message, `<|im_start|>assistant\n` after the last, `<|vision_start|>`/`<|vision_end|>` around each image.
+TOKENS_PER_MESSAGE = 5
+GENERATION_PROMPT_TOKENS = 3
+TOKENS_PER_MEDIA_FRAME = 2
 # Qwen3-VL: 16 px patches merged 2x2 -> one token per 32x32 pixels, and its image processor
 # clamps an image to [64, 16384] tokens (min_pixels 65536, max_pixels 16777216).
 PIXELS_PER_IMAGE_TOKEN = 32 * 32
@@ -42,6 +44,78 @@ MEDIA_SAMPLE_CHARS = 64 * 1024
 
 CHAT = "chat"
 COMPLETIONS = "completions"
+
+# --- text token estimate --------------------------------------------------------------------
+# Qwen's BPE (Qwen3 and Qwen3-VL share it) first splits text into letter runs (a word with one
+# leading space or symbol), single digits, punctuation runs and blank runs, then merges within
+# each. So its token count follows counts of words, digits, symbols and newlines far better than
+# bytes do: the weights below are a linear fit to Qwen3's tokenizer on bench/data/token_corpus.jsonl.
+# Error there (bench/results/2026-12-01-token-estimate.md): p95 |relative error| 6-12% per kind
+# of text (English, code, CJK, JSON, numbers, mixed), 30% on base64/hashes; bytes/4 was 34-75%.
+# 2-byte UTF-8 (accents, Greek, Cyrillic, Arabic) and 4-byte (emoji) were set from a few sentences.
+TOKENS_PER_WORD = 1.06  # per run of ASCII letters
+_TOKENS_PER_BYTE_OF_CLASS = {
+    b"d": 1.23,  # digit: Qwen splits numbers into single digits
+    b"p": 0.41,  # ASCII punctuation (runs merge: `"):`, `{"`)
+    b"s": 0.06,  # space (mostly inside the next word's token)
+    b"n": 1.07,  # newline, tab, CR
+}
+_TOKENS_PER_WIDE_CHAR = {  # keyed by the class of the UTF-8 lead byte
+    b"H": 0.54,  # other 3-byte: CJK ideographs, kana, CJK and fullwidth punctuation
+    b"G": 0.89,  # Hangul syllables (lead bytes 0xEA-0xED)
+    b"2": 0.50,  # 2-byte: Latin accents, Greek, Cyrillic, Arabic, Hebrew
+    b"4": 1.50,  # 4-byte: emoji, rare ideographs
+}
+# Longer text is estimated from this many evenly spaced windows of this size and scaled, so the
+# cost stays bounded (~10 ns a byte, ~0.2 ms at most) however long the prompt.
+_SAMPLE_WINDOWS, _SAMPLE_WINDOW_BYTES = 8, 2048
+
+
+def _byte_classes() -> tuple[bytes, bytes]:
+    """translate() tables: each byte -> its class letter above ("o": counted nowhere), and letters -> "a"."""
+    classes = bytearray(b"o" * 256)
+    letters = bytearray(b" " * 256)
+    for c in b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz":
+        classes[c] = letters[c] = ord("a")
+    for c in b"0123456789":
+        classes[c] = ord("d")
+    for c in b"!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~":
+        classes[c] = ord("p")
+    classes[ord(" ")] = ord("s")
+    for c in b"\n\r\t":
+        classes[c] = ord("n")
+    for lead, cls in ((range(0xC0, 0xE0), "2"), (range(0xE0, 0xF0), "H"), (range(0xEA, 0xEE), "G"),
+                      (range(0xF0, 0x100), "4")):
+        for c in lead:
+            classes[c] = ord(cls)
+    return bytes(classes), bytes(letters)
+
+
+_BYTE_CLASS, _LETTER_RUNS = _byte_classes()
+
+
+def estimate_text_tokens(raw: bytes) -> float:
+    """Qwen3 tokens in UTF-8 text, estimated from counts of word runs and byte classes."""
+    n = len(raw)
+    if n > _SAMPLE_WINDOWS * _SAMPLE_WINDOW_BYTES:
+        step = (n - _SAMPLE_WINDOW_BYTES) // (_SAMPLE_WINDOWS - 1)
+        sampled = sum(_count_tokens(raw[i * step:i * step + _SAMPLE_WINDOW_BYTES]) for i in range(_SAMPLE_WINDOWS))
+        return sampled * n / (_SAMPLE_WINDOWS * _SAMPLE_WINDOW_BYTES)
+    return _count_tokens(raw)
+
+
+def _count_tokens(raw: bytes) -> float:
+    if not raw:
+        return 0.0
+    runs = raw.translate(_LETTER_RUNS)
+    tokens = TOKENS_PER_WORD * (runs.count(b" a") + (runs[0] == 0x61))
+    classes = raw.translate(_BYTE_CLASS)
+    for cls, weight in _TOKENS_PER_BYTE_OF_CLASS.items():
+        tokens += weight * classes.count(cls)
+    if not raw.isascii():
+        for cls, weight in _TOKENS_PER_WIDE_CHAR.items():
+            tokens += weight * classes.count(cls)
+    return tokens
 
 
 @dataclass(slots=True)
@@ -93,12 +167,13 @@ def parse_request(body: bytes, kind: str, session_header: str | None = None) -> 
 
     chain = _PrefixChain()
     if kind == CHAT:
-        text_bytes, media_tokens, media_count = _chat_features(payload, chain)
-        framing = TOKENS_PER_MESSAGE * len(payload["messages"])
+        text_tokens, media_tokens, media_count = _chat_features(payload, chain)
+        framing = TOKENS_PER_MESSAGE * len(payload["messages"]) + GENERATION_PROMPT_TOKENS
+        framing += TOKENS_PER_MEDIA_FRAME * media_count
     else:
-        text_bytes, media_tokens, media_count = _completion_features(payload, chain)
+        text_tokens, media_tokens, media_count = _completion_features(payload, chain)
         framing = 0
-    prompt_tokens = framing + media_tokens + math.ceil(text_bytes / BYTES_PER_TOKEN)
+    prompt_tokens = framing + media_tokens + math.ceil(text_tokens)
 
     chain.finish()
     session = session_header or payload.get("user")
@@ -142,16 +217,21 @@ class _PrefixChain:
         self._total = 0.0
         self._hasher = hashlib.blake2b(digest_size=8)
 
-    def add_text(self, raw: bytes) -> None:
+    def add_text(self, raw: bytes, tokens: float | None = None) -> float:
+        """Chain `raw` in; returns the tokens it stands for (`tokens`, else estimate_text_tokens)."""
+        if tokens is None:
+            tokens = estimate_text_tokens(raw)
         view = memoryview(raw)
         i, n = 0, len(raw)
+        per_byte = tokens / n if n else 0.0
         while i < n and len(self.hashes) < MAX_PREFIX_BLOCKS:
             take = min(PREFIX_BLOCK_BYTES - len(self._buf), n - i)
             self._buf += view[i:i + take]
-            self._buf_tokens += take / BYTES_PER_TOKEN
+            self._buf_tokens += take * per_byte
             i += take
             if len(self._buf) >= PREFIX_BLOCK_BYTES:
                 self._close_block()
+        return tokens
 
     def add_media(self, kind: str, locator: str, tokens: int) -> None:
         # A data: URL is the content itself; an http URL names it. Either way equal media hash equal.
@@ -183,20 +263,19 @@ class _PrefixChain:
         self._buf_tokens = 0.0
 
 
-def _chat_features(payload: dict[str, Any], chain: _PrefixChain) -> tuple[int, int, int]:
+def _chat_features(payload: dict[str, Any], chain: _PrefixChain) -> tuple[float, int, int]:
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("`messages` is required and must be a non-empty array.", "messages")
-    text_bytes = media_tokens = media_count = 0
+    text_tokens = 0.0
+    media_tokens = media_count = 0
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise bad_request(f"`messages[{i}]` must be an object with a string `role`.", f"messages[{i}]")
-        chain.add_text(b"\x00" + message["role"].encode() + b"\x00")
+        chain.add_text(b"\x00" + message["role"].encode() + b"\x00", tokens=TOKENS_PER_MESSAGE)
         content = message.get("content")
         if isinstance(content, str):
-            raw = content.encode()
-            chain.add_text(raw)
-            text_bytes += len(raw)
+            text_tokens += chain.add_text(content.encode())
         elif isinstance(content, list):
             for part in content:
                 if not isinstance(part, dict):
@@ -206,9 +285,7 @@ def _chat_features(payload: dict[str, Any], chain: _PrefixChain) -> tuple[int, i
                     raise bad_request(f"`messages[{i}].content` part `type` must be a string.",
                                       f"messages[{i}].content")
                 if part_type == "text":
-                    raw = str(part.get("text", "")).encode()
-                    chain.add_text(raw)
-                    text_bytes += len(raw)
+                    text_tokens += chain.add_text(str(part.get("text", "")).encode())
                 else:
                     locator = _media_locator(part, part_type)
                     tokens = _media_tokens(part_type, locator)
@@ -219,29 +296,25 @@ def _chat_features(payload: dict[str, Any], chain: _PrefixChain) -> tuple[int, i
             raise bad_request(f"`messages[{i}].content` must be a string or an array.", f"messages[{i}].content")
         for key in ("tool_calls", "name", "tool_call_id"):  # part of the prompt the engine sees
             if key in message:
-                raw = json_bytes(message[key])
-                chain.add_text(raw)
-                text_bytes += len(raw)
-    return text_bytes, media_tokens, media_count
+                text_tokens += chain.add_text(json_bytes(message[key]))
+    return text_tokens, media_tokens, media_count
 
 
-def _completion_features(payload: dict[str, Any], chain: _PrefixChain) -> tuple[int, int, int]:
+def _completion_features(payload: dict[str, Any], chain: _PrefixChain) -> tuple[float, int, int]:
     prompt = payload.get("prompt")
     if isinstance(prompt, str):
-        raw = prompt.encode()
-        chain.add_text(raw)
-        return len(raw), 0, 0
+        return chain.add_text(prompt.encode()), 0, 0
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            raw = "\x00".join(prompt).encode()
-            chain.add_text(raw)
-            return len(raw), 0, 0
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            chain.add_text(_hashed_token_bytes(prompt))
-            return len(prompt) * BYTES_PER_TOKEN, 0, 0
+            return chain.add_text("\x00".join(prompt).encode()), 0, 0
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):  # token ids: exact
+            chain.add_text(_hashed_token_bytes(prompt), tokens=min(len(prompt), _MAX_HASHED_TOKEN_IDS))
+            return len(prompt), 0, 0
         if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
-            chain.add_text(_hashed_token_bytes(itertools.chain.from_iterable(prompt)))
-            return sum(map(len, prompt)) * BYTES_PER_TOKEN, 0, 0
+            total = sum(map(len, prompt))
+            chain.add_text(_hashed_token_bytes(itertools.chain.from_iterable(prompt)),
+                           tokens=min(total, _MAX_HASHED_TOKEN_IDS))
+            return total, 0, 0
     raise bad_request("`prompt` is required: a string, an array of strings, or token ids.", "prompt")
 
 
