@@ -12,6 +12,17 @@ import importlib
 import os
 
 
+class _ProxyUrls(argparse.Action):
+    """`--proxy-url A --proxy-url B,C` -> "A,B,C" (the env default is replaced by the first flag)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        marker = f"_{self.dest}_given"
+        current = getattr(namespace, self.dest, None) if getattr(namespace, marker, False) else None
+        setattr(namespace, self.dest, f"{current},{values}" if current else str(values))
+        setattr(namespace, marker, True)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", required=True, choices=["sim", "vllm", "turbomind"])
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -19,9 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--advertise-url", default=None,
                    help="URL the proxy should use to reach this worker (default http://HOST:PORT)")
     p.add_argument("--served-model-name", default=None, help="model name clients ask for")
-    p.add_argument("--proxy-url", default=os.environ.get("KVROUTE_PROXY_URL"),
-                   help="register with this proxy and report load to it (env KVROUTE_PROXY_URL); "
-                        "without it the worker runs standalone")
+    p.add_argument("--proxy-url", default=os.environ.get("KVROUTE_PROXY_URL"), action=_ProxyUrls,
+                   help="register with this proxy and report load to it (env KVROUTE_PROXY_URL); several "
+                        "replicas: comma-separated or the flag repeated, and the worker moves to the next when "
+                        "one stops answering; without it the worker runs standalone")
     p.add_argument("--proxy-token", default=os.environ.get("KVROUTE_WORKER_TOKEN"),
                    help="worker token for the proxy's control plane (env KVROUTE_WORKER_TOKEN)")
     p.add_argument("--worker-id", default=os.environ.get("KVROUTE_WORKER_ID"),

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -36,18 +37,36 @@ class Load:
 
 LoadSource = Callable[[], Awaitable[Load]]
 
+# Reports that fail to connect in a row before the worker moves to the next of its proxies.
+FAILOVER_AFTER_FAILURES = 2
+
+
+def parse_proxy_urls(values: str | Sequence[str] | None) -> list[str]:
+    """`--proxy-url` values (repeated, or comma-separated) as a list of base URLs, in the order given."""
+    if values is None:
+        return []
+    items = [values] if isinstance(values, str) else list(values)
+    urls = [u.strip().rstrip("/") for item in items for u in item.split(",")]
+    return list(dict.fromkeys(u for u in urls if u))
+
 
 class ProxyReporter:
-    """Keeps one worker registered with one proxy and feeds it load reports.
+    """Keeps one worker registered with a proxy (one of several replicas) and feeds it load reports.
 
     Registration is retried with capped exponential backoff for as long as the worker
     lives (LMDeploy registers once and gives up; we do not). A report answered 404 means
     the proxy forgot us (it restarted, or an operator removed us): register again.
     """
 
-    def __init__(self, proxy_url: str, registration: WorkerRegistration, load_source: LoadSource,
+    def __init__(self, proxy_url: str | Sequence[str], registration: WorkerRegistration, load_source: LoadSource,
                  token: str | None = None, interval_s: float = REPORT_INTERVAL_S) -> None:
-        self.proxy_url = proxy_url.rstrip("/")
+        # Several proxies (replicas sharing Redis): talk to one, move to the next when it stops answering.
+        self.proxy_urls = parse_proxy_urls(proxy_url)
+        if not self.proxy_urls:
+            raise ValueError("no proxy URL given")
+        self._current = 0
+        if registration.boot_id is None:  # new at every start: the proxies restart this worker's seq
+            registration = registration.model_copy(update={"boot_id": uuid.uuid4().hex})
         self.registration = registration
         self.load_source = load_source
         self.interval_s = interval_s
@@ -81,9 +100,22 @@ class ProxyReporter:
                     text = await resp.text()
                     log.warning("proxy refused registration (%s): %s", resp.status, text[:200])
             except (aiohttp.ClientError, TimeoutError) as exc:
-                log.info("proxy %s not reachable yet (%s); retrying in %.1fs", self.proxy_url, exc, backoff)
+                log.info("proxy %s not reachable (%s)", self.proxy_url, exc)
+                if self._next_proxy():
+                    continue  # try the next proxy at once; back off once all of them failed in a row
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
+
+    @property
+    def proxy_url(self) -> str:
+        return self.proxy_urls[self._current]
+
+    def _next_proxy(self) -> bool:
+        """Move on to the next proxy URL; False when that wraps around to the first (or there is one)."""
+        if len(self.proxy_urls) == 1:
+            return False
+        self._current = (self._current + 1) % len(self.proxy_urls)
+        return self._current != 0
 
     async def _send_report(self) -> bool:
         """Send one report; False when the proxy no longer knows this worker."""
@@ -98,7 +130,7 @@ class ProxyReporter:
             num_running=load.num_running, num_waiting=load.num_waiting,
             prefix_cache_hit_rate=min(max(load.prefix_cache_hit_rate, 0.0), 1.0),
             prefill_tokens_per_s=load.prefill_tokens_per_s or None, decode_step_s=load.decode_step_s or None,
-            seq=self._seq, sent_at=time.time(),
+            seq=self._seq, sent_at=time.time(), boot_id=self.registration.boot_id,
         )
         async with self._session.post(f"{self.proxy_url}/workers/{self.worker_id}/report",
                                       data=report.model_dump_json(),
@@ -111,6 +143,7 @@ class ProxyReporter:
 
     async def _run(self) -> None:
         await self._register()
+        unreachable = 0
         while True:
             started = time.monotonic()
             try:
@@ -118,8 +151,20 @@ class ProxyReporter:
                     log.warning("proxy no longer knows %s; registering again", self.worker_id)
                     self.registered.clear()
                     await self._register()
+                unreachable = 0
             except (aiohttp.ClientError, TimeoutError) as exc:
                 log.debug("report failed: %s", exc)
+                unreachable += 1
+                if unreachable >= FAILOVER_AFTER_FAILURES and len(self.proxy_urls) > 1:
+                    # The proxy died or is cut off: the others share its view (state: redis), so the
+                    # worker registers with the next one and keeps serving instead of going stale.
+                    failed = self.proxy_url
+                    self._next_proxy()
+                    log.warning("proxy %s unreachable for %d reports; moving to %s", failed, unreachable,
+                                self.proxy_url)
+                    unreachable = 0
+                    self.registered.clear()
+                    await self._register()
             except Exception:  # a broken load source must not stop the reports for good
                 log.exception("load source failed")
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))

@@ -27,7 +27,8 @@ CHECK_INTERVAL_S = 0.25
 SCRAPE_INTERVAL_S = 0.5      # non-reporting workers: /metrics at 2 Hz
 PROBE_INTERVAL_S = 1.0       # stale or unhealthy workers: /health once a second
 PROBE_TIMEOUT_S = 2.0
-# A self-registered (reporting) worker silent this long is forgotten; if it comes back, its
+# A self-registered (reporting) worker silent this long, and failing its /health probe, is forgotten (one
+# that answers stays: its proxy may have died, DESIGN's replicas); if it comes back, its
 # reporter gets 404 on its next report and registers again. Static and /nodes workers stay.
 FORGET_SILENT_AFTER_S = 300.0
 
@@ -125,8 +126,8 @@ class HealthMonitor:
 
     @staticmethod
     def _long_silent(worker: Worker, now: float) -> bool:
-        if not worker.reports or worker.load.in_flight:
-            return False
+        if not worker.reports or worker.load.in_flight or not worker.probe_failed:
+            return False  # a worker that still answers its /health probe is alive: only its reports stopped
         last = worker.load.reading_at if worker.load.reading_at is not None else worker.registered_mono
         return now - last > FORGET_SILENT_AFTER_S
 

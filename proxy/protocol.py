@@ -38,6 +38,8 @@ class WorkerRegistration(BaseModel):
     gpus: list[str] = Field(default_factory=list, description="device ids the worker holds, as strings")
     reports: bool = Field(True, description="False: the proxy scrapes /metrics instead of waiting for reports")
     labels: dict[str, str] = Field(default_factory=dict)
+    boot_id: str | None = Field(None, max_length=64,
+                                description="new at every start of the worker process: a new one restarts `seq`")
 
 
 class RegistrationAccepted(BaseModel):
@@ -67,4 +69,5 @@ class LoadReport(BaseModel):
     prefill_tokens_per_s: float | None = Field(None, gt=0)
     decode_step_s: float | None = Field(None, gt=0)
     seq: int = Field(..., ge=0, description="monotonic per worker; older reports are ignored")
+    boot_id: str | None = Field(None, max_length=64, description="the registration's boot_id; seq counts within it")
     sent_at: float = Field(default_factory=time.time, description="unix seconds at the worker")

@@ -197,7 +197,14 @@ class Registry:
         if worker is None:
             return False
         last = worker.last_report
-        if last is not None and report.seq <= last.seq:
+        # seq counts within one registration (a new Worker, a new secret) and one boot of the worker:
+        # a report from a new boot starts its own sequence; one from another boot than the registered one
+        # is refused as unknown, so a live sender registers again (and a late one from a dead boot is dropped).
+        booted = worker.registration.boot_id if worker.registration is not None else None
+        if report.boot_id and booted and report.boot_id != booted:
+            return False
+        same_boot = last is not None and report.boot_id == last.boot_id
+        if last is not None and same_boot and report.seq <= last.seq:
             return True  # out of order: an older report must not overwrite a newer one
         worker.last_report = report
         worker.reported_state = report.state

@@ -24,9 +24,13 @@ log = logging.getLogger("kvroute.state")
 
 WORKERS_KEY = "kvroute:workers"          # hash: worker_id -> {"registration", "source", "draining"}
 REPORT_KEY = "kvroute:report:{}"         # newest report per worker, expiring like a stale worker
+TOMBSTONE_KEY = "kvroute:removed:{}"     # a removed worker, so no replica's resync brings it back
 EVENTS_CHANNEL = "kvroute:events"        # pub/sub: every change, tagged with the replica it came from
 REPORT_TTL_S = 10
 RESYNC_INTERVAL_S = 2.0
+# Longer than any replica can miss events and still resync (a replica away from Redis longer than this
+# pushes its view back whole); a new registration of the worker lifts it at once.
+TOMBSTONE_TTL_S = 300
 MAX_BACKLOG = 10_000                     # events kept while Redis is away; older ones are dropped
 
 
@@ -94,9 +98,12 @@ class RedisState:
                             pipe.set(REPORT_KEY.format(worker_id), orjson.dumps(event["report"]), ex=REPORT_TTL_S)
                         elif kind in ("register", "drain"):
                             pipe.hset(WORKERS_KEY, worker_id, orjson.dumps(event["entry"]))
+                            if kind == "register":  # a registration is newer than any removal
+                                pipe.delete(TOMBSTONE_KEY.format(worker_id))
                         elif kind == "remove":
                             pipe.hdel(WORKERS_KEY, worker_id)
                             pipe.delete(REPORT_KEY.format(worker_id))
+                            pipe.set(TOMBSTONE_KEY.format(worker_id), b"1", ex=TOMBSTONE_TTL_S)
                         pipe.publish(EVENTS_CHANNEL, payload)
                     await pipe.execute()
                 self._set_connected(True)
@@ -168,26 +175,39 @@ class RedisState:
             log.info("loaded %d workers from %s", len(entries), self.url)
 
     async def _resync_loop(self) -> None:
-        """Repair what pub/sub missed: take workers others added, give Redis the ones it lacks."""
-        assert self._redis is not None
         while True:
             await asyncio.sleep(RESYNC_INTERVAL_S)
             try:
-                known = {k.decode() for k in await self._redis.hkeys(WORKERS_KEY)}
-                missing_here = known - {w.worker_id for w in self.registry.workers()}
-                if missing_here:
-                    await self._load()
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    pushed = 0
-                    for worker in self.registry.workers():
-                        if worker.worker_id not in known and worker.registration is not None:
-                            pipe.hset(WORKERS_KEY, worker.worker_id, orjson.dumps(_entry(worker)))
-                            pushed += 1
-                    if pushed:
-                        await pipe.execute()
+                await self.resync()
                 self._set_connected(True)
             except (RedisError, OSError) as exc:
                 self._set_connected(False, exc)
+
+    async def resync(self) -> None:
+        """Repair what pub/sub missed: take workers others added, drop those others removed (their
+        tombstone says so), give Redis the ones it lacks."""
+        assert self._redis is not None
+        known = {k.decode() for k in await self._redis.hkeys(WORKERS_KEY)}
+        missing_here = known - {w.worker_id for w in self.registry.workers()}
+        if missing_here:
+            await self._load()
+        unknown_there = [w for w in self.registry.workers() if w.worker_id not in known and w.registration]
+        if not unknown_there:
+            return
+        removed = await self._redis.mget([TOMBSTONE_KEY.format(w.worker_id) for w in unknown_there])
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for worker, tombstone in zip(unknown_there, removed, strict=True):
+                if tombstone is not None:
+                    log.info("%s was removed by another replica; dropping it here too", worker.worker_id)
+                    self._applying = True
+                    try:
+                        self.registry.remove(worker.worker_id)
+                    finally:
+                        self._applying = False
+                else:
+                    pipe.hset(WORKERS_KEY, worker.worker_id, orjson.dumps(_entry(worker)))
+            if len(pipe):
+                await pipe.execute()
 
     def _set_connected(self, ok: bool, exc: BaseException | None = None) -> None:
         if ok and not self.connected:
