@@ -30,6 +30,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the raw /workers and /fleet bodies as JSON")
 
 
+def unreachable_hint(proxy: str, exc: Exception) -> str:
+    """What to say when GET /workers fails: the likely cause and the flag that fixes it."""
+    if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 401:
+        return (f"kvroute status: {proxy} wants the admin token: pass --token TOKEN "
+                "(or set KVROUTE_ADMIN_TOKEN)")
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        return (f"kvroute status: nothing answers at {proxy} ({exc}).\n"
+                "  Is the fleet up? `kvroute up` prints its endpoint; point at it with --proxy URL "
+                "(or KVROUTE_PROXY_URL), e.g. kvroute status --proxy http://127.0.0.1:8000")
+    return f"kvroute status: cannot read {proxy}/workers: {exc}"
+
+
 def fetch(client: httpx.Client) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
     resp = client.get("/workers")
     resp.raise_for_status()
@@ -66,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             workers, fleet = fetch(client)
         except (httpx.HTTPError, ValueError) as exc:
-            print(f"kvroute status: cannot read {args.proxy}/workers: {exc}", file=sys.stderr)
+            print(unreachable_hint(args.proxy, exc), file=sys.stderr)
             return 1
         if args.json:
             import json
@@ -78,17 +90,20 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(0.5)  # a second sample gives req/s; cheap for a one-shot command
                 workers, fleet = fetch(client)
                 rates = meter.update(workers)
-            console.print(Group(*fleet_tables(workers, fleet, rates)) if workers or fleet else "no workers")
+            console.print(Group(*fleet_tables(workers, fleet, rates, width=console.width)) if workers or fleet
+                          else "no workers")
             return 0
         try:
-            with Live(Group(*fleet_tables(workers, fleet, rates)), console=console, auto_refresh=False) as live:
+            tables = fleet_tables(workers, fleet, rates, width=console.width)
+            with Live(Group(*tables), console=console, auto_refresh=False) as live:
                 while True:
                     time.sleep(args.interval)
                     try:
                         workers, fleet = fetch(client)
                     except (httpx.HTTPError, ValueError) as exc:
-                        live.update(f"[red]cannot reach {args.proxy}: {exc}[/]", refresh=True)
+                        live.update(f"[red]{unreachable_hint(args.proxy, exc)}[/]", refresh=True)
                         continue
-                    live.update(Group(*fleet_tables(workers, fleet, meter.update(workers))), refresh=True)
+                    tables = fleet_tables(workers, fleet, meter.update(workers), width=console.width)
+                    live.update(Group(*tables), refresh=True)
         except KeyboardInterrupt:
             return 0

@@ -11,7 +11,9 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import logging.handlers
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -30,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--advertise-url", default=None,
                    help="proxy URL that workers on other machines (placement ray) dial; default from the bind address")
     p.add_argument("--run-dir", default=os.environ.get("KVROUTE_RUN_DIR"),
-                   help="where worker logs go (env KVROUTE_RUN_DIR; default a new temporary directory)")
+                   help="where the logs go: kvroute-up.log and one file per worker (env KVROUTE_RUN_DIR; "
+                        "default .kvroute/logs/ next to the config file)")
     p.add_argument("--no-watch", action="store_true", help="do not follow edits of the config file")
     p.add_argument("--ready-timeout-s", type=float, default=None,
                    help="how long to show start-up progress before printing the status anyway "
@@ -55,11 +58,64 @@ def run(args: argparse.Namespace) -> int:
         if args.port is not None:
             update["port"] = args.port
         config = config.model_copy(update={"proxy": config.proxy.model_copy(update=update)})
-    logging.basicConfig(level=getattr(logging, config.proxy.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.run_dir = str(_log_dir(args.run_dir, path))
+    _log_to_file(config.proxy.log_level, Path(args.run_dir))
     import uvloop
 
     return uvloop.run(_up(args, path, config))
+
+
+LOG_FILE = "kvroute-up.log"
+ROTATE_BYTES = 20 * 2**20  # a log past this size is moved to NAME.1 at the next start
+
+
+def _log_dir(given: str | None, config_path: Path) -> Path:
+    """--run-dir / KVROUTE_RUN_DIR, else .kvroute/logs/ next to the config (reused by every start);
+    ~/.kvroute/logs/ when the config's folder is not writable."""
+    if given:
+        folder = Path(given)
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder.resolve()
+    for folder in (config_path.resolve().parent / ".kvroute" / "logs", Path.home() / ".kvroute" / "logs"):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(folder, os.W_OK):
+            return folder
+    raise SystemExit(f"kvroute up: no writable log folder; pass --run-dir DIR (tried {config_path.parent}/.kvroute)")
+
+
+def _log_to_file(level: str, folder: Path) -> None:
+    """Everything to folder/kvroute-up.log; only warnings and errors also reach the terminal, so the progress
+    view and a log line never say the same thing twice. Worker logs from an earlier start are rotated once big."""
+    for old in folder.glob("*.log"):
+        if old.name != LOG_FILE and old.stat().st_size > ROTATE_BYTES:
+            old.replace(old.with_name(old.name + ".1"))
+    file_handler = logging.handlers.RotatingFileHandler(folder / LOG_FILE, maxBytes=ROTATE_BYTES, backupCount=2)
+    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    terminal = logging.StreamHandler(sys.stderr)
+    terminal.setLevel(logging.WARNING)
+    terminal.setFormatter(logging.Formatter("kvroute up: %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    root.addHandler(file_handler)
+    root.addHandler(terminal)
+
+
+def _cli() -> str:
+    """How to call this CLI from the current folder: `kvroute` when it is on PATH, else its path in the venv."""
+    here = Path(sys.executable).parent / "kvroute"
+    found = shutil.which("kvroute")
+    if found and here.exists() and Path(found).resolve() == here.resolve():
+        return "kvroute"
+    return _short_path(here) if here.exists() else f"{sys.executable} -m proxy.cli"
+
+
+def _short_path(path: Path) -> str:
+    """Relative to the current folder when it is below it (.venv/bin/kvroute), else absolute."""
+    rel = os.path.relpath(path)
+    return str(path.resolve()) if rel.startswith("..") else rel
 
 
 def _free_port(host: str) -> int:
@@ -114,7 +170,7 @@ async def _up(args: argparse.Namespace, path: Path, config: FleetConfig) -> int:
         await control.close()
         return 1
     console.print(f"kvroute up: proxy on {proxy_url} (GPUs: {', '.join(gpus) or 'none'} from {source}); "
-                  f"worker logs in {run_dir}")
+                  f"logs in {run_dir}/")
 
     stop, force = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -130,7 +186,9 @@ async def _up(args: argparse.Namespace, path: Path, config: FleetConfig) -> int:
     if not args.no_watch:
         from proxy.fleet.watch import ConfigWatcher
 
-        watcher = ConfigWatcher(path, manager.apply, initial_text=await asyncio.to_thread(path.read_text))
+        # A rejected edit shows in `kvroute status` (GET /fleet's last_error) until a later edit applies.
+        watcher = ConfigWatcher(path, manager.apply, initial_text=await asyncio.to_thread(path.read_text),
+                                on_rejected=lambda why: setattr(manager, "last_error", why))
         watcher.start()
     try:
         timeout = args.ready_timeout_s or max([m.startup_timeout_s for m in config.models] or [60.0])
@@ -138,7 +196,7 @@ async def _up(args: argparse.Namespace, path: Path, config: FleetConfig) -> int:
 
         ready = await show_progress(console, manager, stop, timeout)
         if not stop.is_set():
-            await _print_status(console, manager, proxy_url, ready)
+            await _print_status(console, manager, proxy_url, ready, run_dir)
             await stop.wait()
     finally:
         console.print("kvroute up: draining and stopping every worker (Ctrl-C again to kill at once)")
@@ -160,7 +218,7 @@ async def _up(args: argparse.Namespace, path: Path, config: FleetConfig) -> int:
     return 0
 
 
-async def _print_status(console: Any, manager: Any, proxy_url: str, ready: bool) -> None:
+async def _print_status(console: Any, manager: Any, proxy_url: str, ready: bool, run_dir: Path) -> None:
     from rich.console import Group
 
     from proxy.fleet.render import fleet_tables
@@ -175,7 +233,13 @@ async def _print_status(console: Any, manager: Any, proxy_url: str, ready: bool)
         failed = ", ".join(r.worker_id for r in manager.any_failed())
         console.print(f"[bold yellow]not every worker is ready[/] ({'failed: ' + failed if failed else 'still starting'});"
                       f" endpoint {proxy_url}/v1; see `kvroute status --proxy {proxy_url}`")
-    console.print(Group(*fleet_tables(workers, manager.snapshot(), now=time.time())))
+    console.print(Group(*fleet_tables(workers, manager.snapshot(), now=time.time(), width=console.width)))
+    cli = _cli()
+    console.print(f"dashboard: {proxy_url}/dashboard\n"
+                  f"status:    {cli} status --proxy {proxy_url}\n"
+                  f"logs:      {_short_path(run_dir)}/ ({LOG_FILE}, one file per worker)\n"
+                  f"stop:      Ctrl-C here (drains every worker first), or kill -INT {os.getpid()}",
+                  highlight=False)
 
 
 class _Placements:

@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,13 +23,18 @@ log = logging.getLogger("kvroute.fleet")
 
 class ConfigWatcher:
     def __init__(self, path: Path, apply: Callable[[FleetConfig], Any], interval_s: float = 1.0,
-                 initial_text: str | None = None) -> None:
+                 initial_text: str | None = None,
+                 on_rejected: Callable[[str | None], Any] | None = None) -> None:
+        """`on_rejected` hears "config edit rejected at HH:MM:SS: why" for a bad edit, and None once a
+        later edit is applied (`kvroute up` shows it in `kvroute status` through the fleet manager)."""
         self.path = path
         self.apply = apply
         self.interval_s = interval_s
         self._stamp: tuple[int, int] | None = None
         self._digest = hashlib.sha256(initial_text.encode()).hexdigest() if initial_text is not None else None
         self.last_error: str | None = None
+        self.last_error_at: float | None = None  # unix time of the rejected edit
+        self.on_rejected = on_rejected
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -77,9 +83,14 @@ class ConfigWatcher:
             config = parse_config(text, source=str(self.path))
             plan = self.apply(config)
         except (ConfigError, GpuAssignmentError) as exc:
-            self.last_error = str(exc)
+            self.last_error, self.last_error_at = str(exc), time.time()
             log.error("config change ignored, the fleet keeps running as it was: %s", exc)
+            if self.on_rejected is not None:
+                when = time.strftime("%H:%M:%S", time.localtime(self.last_error_at))
+                self.on_rejected(f"config edit rejected at {when} (the fleet runs the previous version): {exc}")
             return False
-        self.last_error = None
+        if self.last_error is not None and self.on_rejected is not None:
+            self.on_rejected(None)
+        self.last_error, self.last_error_at = None, None
         log.info("%s changed: %s", self.path, plan)
         return True
