@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from proxy.protocol import REPORT_INTERVAL_S, LoadReport, WorkerRegistration
+from proxy.protocol import REPORT_INTERVAL_S, WORKER_SECRET_HEADER, LoadReport, WorkerRegistration
 
 log = logging.getLogger("kvroute.reporter")
 
@@ -56,6 +56,9 @@ class ProxyReporter:
     Registration is retried with capped exponential backoff for as long as the worker
     lives (LMDeploy registers once and gives up; we do not). A report answered 404 means
     the proxy forgot us (it restarted, or an operator removed us): register again.
+
+    Credentials: the worker token (if any) registers; the proxy answers with a secret for this
+    worker alone, which then authorizes its reports, its state changes and its deregistration.
     """
 
     def __init__(self, proxy_url: str | Sequence[str], registration: WorkerRegistration, load_source: LoadSource,
@@ -73,14 +76,15 @@ class ProxyReporter:
         self.state = "ready"
         self.worker_id: str | None = registration.worker_id
         self.registered = asyncio.Event()
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._register_headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._secret: str | None = None  # from the proxy's answer to our registration
         self._seq = 0
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=5, connect=2)
-        self._session = aiohttp.ClientSession(timeout=timeout, headers=self._headers)
+        self._session = aiohttp.ClientSession(timeout=timeout)
         self._task = asyncio.create_task(self._run(), name="kvroute-reporter")
 
     async def _register(self) -> None:
@@ -88,11 +92,16 @@ class ProxyReporter:
         backoff = 0.2
         while True:
             try:
-                async with self._session.post(f"{self.proxy_url}/workers",
+                headers = dict(self._register_headers)
+                if self._secret:  # proves this id is ours if the proxy still holds it
+                    headers[WORKER_SECRET_HEADER] = self._secret
+                async with self._session.post(f"{self.proxy_url}/workers", headers=headers,
                                               json=self.registration.model_dump(mode="json")) as resp:
                     if resp.status == 200:
                         body = await resp.json()
                         self.worker_id = body["worker_id"]
+                        self._secret = body.get("worker_secret") or None
+                        self._seq = 0  # a new registration starts a new sequence
                         self.interval_s = min(self.interval_s, float(body.get("report_interval_s", self.interval_s)))
                         log.info("registered with %s as %s", self.proxy_url, self.worker_id)
                         self.registered.set()
@@ -134,12 +143,16 @@ class ProxyReporter:
         )
         async with self._session.post(f"{self.proxy_url}/workers/{self.worker_id}/report",
                                       data=report.model_dump_json(),
-                                      headers={"Content-Type": "application/json"}) as resp:
+                                      headers={"Content-Type": "application/json", **self._own_headers()}) as resp:
             if resp.status == 404:
                 return False
             if resp.status >= 400:
                 log.warning("report rejected (%s): %s", resp.status, (await resp.text())[:200])
         return True
+
+    def _own_headers(self) -> dict[str, str]:
+        """Credentials for acting on this worker: its own secret; a proxy without secrets gets the token."""
+        return {"Authorization": f"Bearer {self._secret}"} if self._secret else dict(self._register_headers)
 
     async def _run(self) -> None:
         await self._register()
@@ -187,7 +200,8 @@ class ProxyReporter:
                 pass
         if deregister and self._session and self.worker_id and self.registered.is_set():
             try:
-                async with self._session.delete(f"{self.proxy_url}/workers/{self.worker_id}") as resp:
+                async with self._session.delete(f"{self.proxy_url}/workers/{self.worker_id}",
+                                                headers=self._own_headers()) as resp:
                     log.info("deregistered %s (%s)", self.worker_id, resp.status)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 log.info("could not deregister: %s", exc)

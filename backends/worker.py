@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -33,9 +34,41 @@ from backends.engines.base import EngineAdapter, EngineLaunch
 from backends.engines.guard import ENGINE_PID_LINE, set_parent_death_signal
 from backends.reporter import Load, ProxyReporter
 from proxy.protocol import WorkerRegistration
+from proxy.security.redact import redact_argv
 
 log = logging.getLogger("kvroute.worker")
 ENGINE_STOP_GRACE_S = 15.0
+
+
+# How each engine takes the key its OpenAI server then demands (Authorization: Bearer KEY) on /v1/*.
+# vLLM also reads VLLM_API_KEY, which keeps the key out of `ps`; LMDeploy has only the flag.
+_API_KEY_FLAGS = {"vllm": "--api-key", "turbomind": "--api-keys"}
+_API_KEY_ENV = {"vllm": "VLLM_API_KEY"}
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def engine_api_key(family: str, engine_args: list[str], env: dict[str, str]) -> tuple[str, list[str], dict[str, str]]:
+    """The key the engine will demand, and the extra argv / environment that set it.
+
+    A key the operator gave (engine args, or VLLM_API_KEY) is kept; otherwise a random one per replica,
+    so nothing on the host reaches the engine around the proxy, which learns it at registration.
+    """
+    flag, env_name = _API_KEY_FLAGS.get(family), _API_KEY_ENV.get(family)
+    given = (_flag_value(engine_args, flag) if flag else None) or (env.get(env_name) if env_name else None)
+    if given:
+        return given, [], {}
+    key = secrets.token_urlsafe(24)
+    if env_name:
+        return key, [], {env_name: key}
+    return key, [flag, key] if flag else [], {}
 
 
 class EngineFailed(RuntimeError):
@@ -116,15 +149,15 @@ class Supervisor:
         self.session: aiohttp.ClientSession | None = None
         self.stop_requested = asyncio.Event()
         self.last_load = Load(0.0, 0, 0)
+        self.api_key: str | None = None  # the engine's own key, chosen at start
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_requested.set)
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5, connect=2))
         started = time.monotonic()
         try:
-            await self._start_engine()
+            await self._start_engine()  # also opens self.session, which carries the engine's key
             exited = asyncio.create_task(self._guard_exit())
             await self._wait_ready(exited)
             log.info("engine %s ready at %s after %.1fs (log: %s)", self.adapter.running_engine,
@@ -151,12 +184,17 @@ class Supervisor:
             if self.reporter:
                 # A failed worker stays listed (as failed) until the proxy ages it out; a drained one leaves.
                 await self.reporter.stop(deregister=not self.reporter.state == "failed")
-            await self.session.close()
+            if self.session is not None:
+                await self.session.close()
 
     async def _start_engine(self) -> None:
         cmd = self.adapter.command(self.launch)
         env = self.adapter.environment(self.launch, os.environ)
-        log.info("starting engine: %s", " ".join(cmd))
+        self.api_key, extra_args, extra_env = engine_api_key(self.adapter.family, list(self.launch.engine_args), env)
+        cmd, env = cmd + extra_args, {**env, **extra_env}
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5, connect=2),
+                                             headers={"Authorization": f"Bearer {self.api_key}"})
+        log.info("starting engine: %s", " ".join(redact_argv(cmd)))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.proc = await spawn_guarded(cmd, env, ENGINE_STOP_GRACE_S)
         asyncio.create_task(self._relay_log(), name="engine-log")
@@ -221,6 +259,7 @@ class Supervisor:
             engine=self.adapter.running_engine,  # type: ignore[arg-type]
             kv_capacity_tokens=first.kv_capacity_tokens, gpus=self.launch.gpus,
             labels={"device": self.launch.device, "engine_family": self.adapter.family},
+            api_key=self.api_key,
         )
         self.reporter = ProxyReporter(self.args.proxy_url, registration, self.read_load, token=self.args.proxy_token)
         await self.reporter.start()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -19,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="fleet config file (YAML); without it defaults apply")
     p.add_argument("--state", default=None, help="'memory' (default) or redis://host:port/db")
     p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    p.add_argument("--insecure-open-control-plane", action="store_true",
+                   help="serve /workers, /nodes and /fleet to anyone off loopback without an admin token (unsafe)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,8 +38,17 @@ def run(args: argparse.Namespace) -> int:
             config.proxy.log_level = args.log_level
         if args.state:
             config.state.url = args.state
+        _apply_security_flags(config, args)
     except (ConfigError, ValueError) as exc:
         print(f"kvroute proxy: {exc}", file=sys.stderr)
+        return 2
+    from proxy.security.controlauth import startup_problem
+
+    may_start, message = startup_problem(config.proxy.host, config.proxy.admin_token,
+                                         config.proxy.insecure_open_control_plane)
+    if message:
+        print(f"kvroute proxy: {message}", file=sys.stderr, flush=True)
+    if not may_start:
         return 2
     if args.policy and args.policy not in policy_names():
         print(f"kvroute proxy: unknown policy '{args.policy}'; known: {', '.join(policy_names())}", file=sys.stderr)
@@ -54,6 +66,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvroute proxy: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _apply_security_flags(config, args: argparse.Namespace) -> None:
+    """--insecure-open-control-plane, and the tokens from the environment when the config has none."""
+    from proxy.security.controlauth import ADMIN_TOKEN_ENV, WORKER_TOKEN_ENV, token_or_none
+
+    if getattr(args, "insecure_open_control_plane", False):
+        config.proxy.insecure_open_control_plane = True
+    if config.proxy.admin_token is None:
+        config.proxy.admin_token = token_or_none(os.environ.get(ADMIN_TOKEN_ENV))
+    if config.proxy.worker_token is None:
+        config.proxy.worker_token = token_or_none(os.environ.get(WORKER_TOKEN_ENV))
 
 
 async def _main(config, policy: str | None) -> None:

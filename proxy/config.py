@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from proxy.security.networks import DEFAULT_WORKER_NETWORKS
+
 PolicyName = str  # validated against proxy.routing's registry by the proxy at start-up
 EngineKind = Literal["vllm", "turbomind", "sim"]
 
@@ -103,8 +105,15 @@ class ProxyConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     policy: PolicyName = "kv_cost"
-    admin_token: str | None = None
-    worker_token: str | None = None
+    admin_token: str | None = Field(None, description="guards /workers, /nodes, /fleet; unset or empty: loopback only")
+    worker_token: str | None = Field(None, description="lets workers register (each then gets its own secret)")
+    worker_networks: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_WORKER_NETWORKS),
+        description="CIDRs a registered worker URL may resolve to; anything else is refused (403)")
+    trusted_worker_networks: list[str] = Field(
+        default_factory=list, description="CIDRs whose callers may register workers without a token (LMDeploy)")
+    insecure_open_control_plane: bool = Field(
+        False, description="serve the control plane to everyone off loopback without an admin token (warned)")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     retries: int = Field(2, ge=0, le=10)
     kv_high_water: float = Field(1.0, gt=0, le=1.0, description=(
@@ -120,6 +129,23 @@ class ProxyConfig(_Strict):
                           "list of entries); also --api-keys FILE and KVROUTE_API_KEYS (comma-separated)")
     metrics_token: str | None = Field(None, description="bearer token for GET /metrics besides any API key")
     limits: ProxyLimits = Field(default_factory=ProxyLimits)
+
+    @field_validator("admin_token", "worker_token")
+    @classmethod
+    def _empty_token_is_none(cls, v: str | None) -> str | None:
+        return v if v is not None and v.strip() else None  # `${KVROUTE_ADMIN_TOKEN:-}` unset means no token
+
+    @field_validator("worker_networks", "trusted_worker_networks")
+    @classmethod
+    def _cidrs(cls, v: list[str]) -> list[str]:
+        import ipaddress
+
+        for cidr in v:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"not a CIDR network: {cidr!r}") from None
+        return v
 
 
 class StateConfig(_Strict):

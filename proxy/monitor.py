@@ -36,8 +36,11 @@ FORGET_SILENT_AFTER_S = 300.0
 async def probe_models(session: aiohttp.ClientSession, url: str) -> tuple[list[str], int | None]:
     """The model ids (and max_model_len, if given) a worker's /v1/models lists; raises on failure."""
     timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S * 2)
-    async with session.get(url.rstrip("/") + "/v1/models", timeout=timeout) as resp:
+    # Never follow a redirect: a worker URL must not become a way to make the proxy fetch another address.
+    async with session.get(url.rstrip("/") + "/v1/models", timeout=timeout, allow_redirects=False) as resp:
         resp.raise_for_status()
+        if resp.status != 200:  # a redirect (not followed) or another non-answer
+            raise ValueError(f"{url}/v1/models answered {resp.status}")
         body = await resp.json(content_type=None)
     data = body.get("data", []) if isinstance(body, dict) else []
     models = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
@@ -74,14 +77,15 @@ class HealthMonitor:
                 await task
 
     async def add_by_url(self, url: str, models: list[str] | None = None, engine: str = "unknown",
-                         source: str = "nodes", labels: dict[str, str] | None = None) -> Worker:
+                         source: str = "nodes", labels: dict[str, str] | None = None,
+                         secret_hash: str | None = None) -> Worker:
         """Register a non-reporting worker; without `models`, ask its /v1/models (raises if it cannot)."""
         max_len = None
         if not models:
             models, max_len = await probe_models(self.session, url)
         reg = WorkerRegistration(url=url, models=models, engine=engine, reports=False, max_model_len=max_len,  # type: ignore[arg-type]
                                  labels=labels or {})
-        worker = self.registry.register(reg, source=source)
+        worker = self.registry.register(reg, source=source, secret_hash=secret_hash)
         self._last_check.pop(worker.worker_id, None)
         return worker
 
@@ -153,7 +157,7 @@ class HealthMonitor:
 
     async def _scrape(self, worker: Worker) -> bool:
         try:
-            async with self.session.get(worker.url + "/metrics",
+            async with self.session.get(worker.url + "/metrics", allow_redirects=False,
                                         timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
                 if resp.status != 200:
                     return False
@@ -169,7 +173,7 @@ class HealthMonitor:
     async def _probe_health(self, worker: Worker) -> tuple[bool, str | None]:
         started = time.monotonic()
         try:
-            async with self.session.get(worker.url + "/health",
+            async with self.session.get(worker.url + "/health", allow_redirects=False,
                                         timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as resp:
                 await resp.read()
                 if resp.status == 200:

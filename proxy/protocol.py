@@ -21,7 +21,8 @@ REPORT_INTERVAL_S = 0.25
 # The proxy marks a worker stale when no report arrived for this long.
 STALE_AFTER_S = 2.0
 
-WORKER_TOKEN_HEADER = "Authorization"  # "Bearer <token>", for /workers and reports
+WORKER_TOKEN_HEADER = "Authorization"  # "Bearer <token>": the worker token to register, then the worker's secret
+WORKER_SECRET_HEADER = "x-kvroute-worker-secret"  # a re-registering worker's previous secret (proves its id)
 
 
 class WorkerRegistration(BaseModel):
@@ -40,6 +41,9 @@ class WorkerRegistration(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
     boot_id: str | None = Field(None, max_length=64,
                                 description="new at every start of the worker process: a new one restarts `seq`")
+    api_key: str | None = Field(None, repr=False,
+                                description="key the proxy sends the worker as Authorization: Bearer (its engine's "
+                                            "--api-key); never shown in /workers")
 
 
 class RegistrationAccepted(BaseModel):
@@ -47,6 +51,9 @@ class RegistrationAccepted(BaseModel):
 
     worker_id: str
     report_interval_s: float = REPORT_INTERVAL_S
+    # Reports, drain and deregistration of this worker need it (Authorization: Bearer <secret>); a new
+    # one is issued at every registration, so a report's seq counts within one registration only.
+    worker_secret: str | None = None
 
 
 class LoadReport(BaseModel):

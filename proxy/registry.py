@@ -88,6 +88,16 @@ class Worker:
         self.drain_requested = False
         self.probe_failed = False
         self.last_error: str | None = None
+        self.secret_hash: str | None = None  # sha256 of the secret its registrant got (proxy/security)
+        self.api_key: str | None = None  # sent upstream as Authorization: Bearer, when the engine wants one
+
+    def replaceable(self, now: float) -> bool:
+        """Another registrant may take this worker's id or URL: it has shown no sign of life (report or
+        scrape) for TAKEOVER_AFTER_S and is stale or unhealthy. A live worker is never displaced."""
+        if self.state(now) not in (WorkerState.STALE, WorkerState.UNHEALTHY):
+            return False
+        last = self.load.reading_at if self.load.reading_at is not None else self.registered_mono
+        return now - last > TAKEOVER_AFTER_S
 
     def serves(self, model: str) -> bool:
         return model in self.models
@@ -119,6 +129,10 @@ class Worker:
         }
 
 
+# A registration may take over the id or URL of a worker silent (and stale/unhealthy) this long.
+TAKEOVER_AFTER_S = 10.0
+
+
 def worker_id_from_url(url: str) -> str:
     parts = urlsplit(url)
     return (parts.netloc or url).replace(":", "-").replace("/", "-")
@@ -146,8 +160,12 @@ class Registry:
             listener(kind, worker, detail)
 
     # --- membership ---------------------------------------------------------------------
-    def register(self, reg: WorkerRegistration, source: str = "api") -> Worker:
-        """Add a worker, or refresh one that registers again under the same id (keeping its load)."""
+    def register(self, reg: WorkerRegistration, source: str = "api", *, secret_hash: str | None = None) -> Worker:
+        """Add a worker, or refresh one that registers again under the same id (keeping its load).
+
+        No ownership check here: the control plane refuses a registration that would displace a live
+        worker it does not own (see `holders`); a worker with the same URL and another id is replaced.
+        """
         worker_id = reg.worker_id or worker_id_from_url(reg.url)
         url = reg.url.rstrip("/")
         for other in list(self._workers.values()):  # one URL is one worker, whatever it was called
@@ -162,6 +180,8 @@ class Registry:
             if reg.kv_capacity_tokens:
                 worker.load.capacity_tokens = reg.kv_capacity_tokens
         worker.registration = reg.model_copy(update={"worker_id": worker_id})
+        worker.secret_hash = secret_hash
+        worker.api_key = reg.api_key
         self._workers[worker_id] = worker
         self.notify_changed()
         self._emit("register", worker, worker.registration)
@@ -183,6 +203,11 @@ class Registry:
 
     def get(self, worker_id: str) -> Worker | None:
         return self._workers.get(worker_id)
+
+    def holders(self, worker_id: str, url: str) -> list[Worker]:
+        """Workers a registration of (worker_id, url) would replace: the one with that id, any with that URL."""
+        url = url.rstrip("/")
+        return [w for w in self._workers.values() if w.worker_id == worker_id or w.url == url]
 
     def workers(self) -> list[Worker]:
         return list(self._workers.values())

@@ -149,8 +149,9 @@ class RedisState:
     def _apply_entry(self, worker_id: str, entry: dict[str, Any]) -> None:
         reg = WorkerRegistration.model_validate(entry["registration"])
         existing = self.registry.get(worker_id)
-        if existing is None or existing.registration != reg:
-            self.registry.register(reg, source=entry.get("source", "api"))
+        secret = entry.get("secret_hash")  # reports for it may reach any replica
+        if existing is None or existing.registration != reg or existing.secret_hash != secret:
+            self.registry.register(reg, source=entry.get("source", "api"), secret_hash=secret)
         if entry.get("draining"):
             self.registry.drain(worker_id)
 
@@ -220,4 +221,4 @@ class RedisState:
 def _entry(worker: Worker) -> dict[str, Any]:
     assert worker.registration is not None
     return {"registration": worker.registration.model_dump(mode="json"), "source": worker.source,
-            "draining": worker.drain_requested}
+            "draining": worker.drain_requested, "secret_hash": worker.secret_hash}

@@ -1,14 +1,15 @@
 """The control plane: worker registration, load reports, drain/remove, and LMDeploy's /nodes API.
 
-Owns these routes and the token check that guards them (and /fleet*); what registering or
-draining means is the registry's business, probing a URL-only worker is the monitor's.
+Owns these routes and which credential each needs (and /fleet*: admin); what a credential is
+lives in proxy/security/controlauth.py, what registering or draining means in the registry,
+probing a URL-only worker in the monitor.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import aiohttp
 import orjson
@@ -20,58 +21,143 @@ from proxy.config import ProxyConfig
 from proxy.errors import error_response
 from proxy.monitor import HealthMonitor
 from proxy.protocol import LoadReport, RegistrationAccepted, WorkerRegistration
-from proxy.registry import Registry
+from proxy.registry import Registry, Worker, worker_id_from_url
+from proxy.security import peer
+from proxy.security.controlauth import ADMIN_WHAT, Caller, ControlAuth, new_secret, secret_hash
+from proxy.security.networks import IPNetwork, WorkerUrlRefused, check_worker_url, parse_networks
+from proxy.security.redact import redact_mapping, redact_text
 
 log = logging.getLogger("kvroute.control")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _GUARDED_PREFIXES = ("/workers", "/nodes", "/fleet")
+_REGISTRY_KEY = web.AppKey("kvroute_control_registry", Registry)
 
 
-def _is_worker_route(request: web.Request) -> bool:
-    """Routes a worker itself calls: register, report, deregister, LMDeploy's self-registration."""
-    path = request.path
-    if request.method == "POST" and path in ("/workers", "/nodes/add"):
-        return True
-    if path.startswith("/workers/"):
-        return (request.method == "POST" and path.endswith("/report")) or request.method == "DELETE"
-    return False
+@dataclass(frozen=True, slots=True)
+class _Access:
+    caller: Caller
+    auth: ControlAuth
+    config: ProxyConfig
+    networks: tuple[IPNetwork, ...]
+
+
+_ACCESS = web.RequestKey("kvroute_control_access", _Access)  # per request: the resolved caller, the config
+
+def _needs(request: web.Request) -> tuple[str, str | None]:
+    """What a control route asks of its caller: ("admin"|"register"|"owner", worker id or None)."""
+    path, method = request.path, request.method
+    if method == "POST" and path in ("/workers", "/nodes/add"):
+        return "register", None
+    worker_id = request.match_info.get("worker_id")
+    if path.startswith("/workers/") and worker_id is not None:
+        return "owner", worker_id  # report, drain, delete, read: the worker itself or an admin
+    if path == "/nodes/remove":
+        return "owner", None  # the handler finds the worker by URL
+    return "admin", None
 
 
 def auth_middleware(config: ProxyConfig) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """Bearer-token check for the control plane; open when no token is configured."""
+    """Credentials for the control plane. Without an admin token only loopback callers administer;
+    workers act on themselves only, with the secret they got at registration."""
+    auth = ControlAuth(config)
+    networks = parse_networks(config.worker_networks)
 
     @web.middleware
     async def check_token(request: web.Request, handler: Handler) -> web.StreamResponse:
         if not request.path.startswith(_GUARDED_PREFIXES):
             return await handler(request)
-        accepted = [t for t in (config.admin_token,) if t]
-        if _is_worker_route(request) and config.worker_token:
-            accepted.append(config.worker_token)
-        if accepted:
-            given = request.headers.get("Authorization", "")
-            token = given[7:] if given[:7].lower() == "bearer " else ""
-            if not any(hmac.compare_digest(token.encode(), t.encode()) for t in accepted):
-                return error_response(401, "A valid bearer token is required for the control plane.",
-                                      "authentication_error", code="invalid_api_key")
-        return await handler(request)
+        caller = auth.caller(request)
+        request[_ACCESS] = _Access(caller, auth, config, networks)
+        if caller.admin:
+            return await handler(request)
+        need, worker_id = _needs(request)
+        if need == "register" and (caller.may_register or caller.has_credential):
+            return await handler(request)  # an owner re-registering is checked against the body
+        if need == "owner" and caller.has_credential:
+            registry = request.app.get(_REGISTRY_KEY)
+            worker = registry.get(worker_id) if registry is not None and worker_id is not None else None
+            if worker_id is None or worker is None or caller.owns(worker.secret_hash):
+                return await handler(request)  # unknown: 404, so a forgotten worker registers again
+        registry = request.app.get(_REGISTRY_KEY)
+        hashes = _secret_hashes(registry) if registry is not None and caller.has_credential else []
+        return auth.denied(caller, ADMIN_WHAT if need == "admin" else "this worker route", hashes)
 
     return check_token
 
 
+def _secret_hashes(registry: Registry) -> list[str | None]:
+    """Every worker's secret hash: a denied caller holding one of them gets 403 (valid, not enough), not 401."""
+    return [w.secret_hash for w in registry.workers()]
+
+
+def _access(request: web.Request) -> _Access:
+    return request[_ACCESS]
+
+
+def _may_replace(access: _Access, holders: list[Worker], now: float) -> Worker | None:
+    """The first live worker this caller may not displace, or None."""
+    for holder in holders:
+        if access.caller.admin or access.caller.owns(holder.secret_hash) or holder.replaceable(now):
+            continue
+        return holder
+    return None
+
+
+def _conflict(holder: Worker) -> web.Response:
+    return error_response(409, f"Worker `{holder.worker_id}` at {holder.url} is registered and alive; it must "
+                               "deregister first (or stay silent for a while) before another registration takes "
+                               "its id or URL.", code="worker_conflict")
+
+
+def _own_address(request: web.Request, config: ProxyConfig) -> tuple[set[int], set[str]]:
+    ports, hosts = {config.port}, {config.host}
+    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    if isinstance(sockname, tuple) and len(sockname) >= 2:
+        ports.add(int(sockname[1]))
+        hosts.add(str(sockname[0]))
+    return ports, hosts
+
+
+async def _refuse_url(request: web.Request, url: str) -> web.Response | None:
+    """403 for a worker URL outside proxy.worker_networks or at the proxy itself; nothing is sent to it."""
+    access = _access(request)
+    ports, hosts = _own_address(request, access.config)
+    try:
+        await check_worker_url(url, access.networks, ports, hosts)
+    except WorkerUrlRefused as exc:
+        log.warning("refused worker url from %s: %s", access.caller.host, exc)
+        return error_response(403, f"Refused: {exc}.", "permission_error", param="url", code="url_not_allowed")
+    return None
+
+
 def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
                queue_lengths: Callable[[], dict[str, int]]) -> None:
+    app[_REGISTRY_KEY] = registry
+    peer.install(app)
+
     async def register(request: web.Request) -> web.Response:
         try:
             reg = WorkerRegistration.model_validate_json(await request.read())
         except ValidationError as exc:
             return _invalid(exc)
         if not _is_worker_url(reg.url):
-            return error_response(400, f"`url` must be http(s)://host[:port], got {reg.url!r}.", param="url",
-                                  code="invalid_url")
-        worker = registry.register(reg)
+            return error_response(400, f"`url` must be http(s)://host[:port] without credentials, query or "
+                                       f"fragment, got {redact_text(reg.url)!r}.", param="url", code="invalid_url")
+        access = _access(request)
+        worker_id = reg.worker_id or worker_id_from_url(reg.url)
+        holders = registry.holders(worker_id, reg.url)
+        if not access.caller.may_register and not any(access.caller.owns(h.secret_hash) for h in holders):
+            return access.auth.denied(access.caller, "registering workers", _secret_hashes(registry))
+        if (refused := await _refuse_url(request, reg.url)) is not None:
+            return refused
+        holders = registry.holders(worker_id, reg.url)  # again: the address check awaited
+        if (holder := _may_replace(access, holders, registry.clock())) is not None:
+            return _conflict(holder)
+        secret = new_secret()
+        worker = registry.register(reg, secret_hash=secret_hash(secret))
         log.info("registered %s at %s serving %s", worker.worker_id, worker.url, ",".join(worker.models))
-        return _json(RegistrationAccepted(worker_id=worker.worker_id).model_dump())
+        return _json(RegistrationAccepted(worker_id=worker.worker_id, worker_secret=secret).model_dump())
 
     async def report(request: web.Request) -> web.Response:
         worker_id = request.match_info["worker_id"]
@@ -88,20 +174,20 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
 
     async def list_workers(request: web.Request) -> web.Response:
         now = registry.clock()
-        return _json({"workers": [w.to_json(now) for w in registry.workers()], "queues": queue_lengths()})
+        return _json({"workers": [_public(w, now) for w in registry.workers()], "queues": queue_lengths()})
 
     async def get_worker(request: web.Request) -> web.Response:
         worker = registry.get(request.match_info["worker_id"])
         if worker is None:
             return _unknown(request.match_info["worker_id"])
-        return _json(worker.to_json(registry.clock()))
+        return _json(_public(worker, registry.clock()))
 
     async def drain(request: web.Request) -> web.Response:
         worker = registry.drain(request.match_info["worker_id"])
         if worker is None:
             return _unknown(request.match_info["worker_id"])
         log.info("draining %s", worker.worker_id)
-        return _json(worker.to_json(registry.clock()))
+        return _json(_public(worker, registry.clock()))
 
     async def remove(request: web.Request) -> web.Response:
         worker = registry.remove(request.match_info["worker_id"])
@@ -115,20 +201,35 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
         body = await _json_body(request)
         url = body.get("url") if isinstance(body, dict) else None
         if not isinstance(url, str) or not _is_worker_url(url):
-            return error_response(400, "`url` (http://host:port) is required.", param="url")
+            return error_response(400, "`url` (http://host:port, no credentials, query or fragment) is required.",
+                                  param="url")
+        access = _access(request)
+        if not access.caller.may_register:
+            return access.auth.denied(access.caller, "registering workers")
         status = body.get("status") if isinstance(body.get("status"), dict) else {}
         listed = status.get("models")
         models = [m for m in listed if isinstance(m, str)] if isinstance(listed, list) else []
         labels = {"role": str(status.get("role", "Hybrid"))}
         if isinstance(status.get("speed"), int | float):
             labels["speed"] = str(status["speed"])
+        if (refused := await _refuse_url(request, url)) is not None:
+            return refused  # before any probe: no request reaches an address outside the allowlist
+        worker_id = worker_id_from_url(url)
+        # LMDeploy re-announcing the same URL (a restart) refreshes its entry; anything else live is kept.
+        holders = [h for h in registry.holders(worker_id, url)
+                   if not (h.source == "nodes" and h.url == url.rstrip("/") and h.worker_id == worker_id)]
+        if (holder := _may_replace(access, holders, registry.clock())) is not None:
+            return _conflict(holder)
+        secret = new_secret()
         try:
-            worker = await monitor.add_by_url(url, models or None, source="nodes", labels=labels)
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-            return error_response(400, f"Could not read the models of {url} from its /v1/models: {exc}",
-                                  param="url", code="worker_unreachable")
+            worker = await monitor.add_by_url(url, models or None, source="nodes", labels=labels,
+                                              secret_hash=secret_hash(secret))
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            # One answer for a closed port, a timeout, a redirect or a non-OpenAI server: no port scanner.
+            return error_response(400, "Could not list the models of that URL (GET /v1/models).", param="url",
+                                  code="worker_unreachable")
         log.info("node %s added as %s serving %s", url, worker.worker_id, ",".join(worker.models))
-        return _json({"worker_id": worker.worker_id, "models": list(worker.models),
+        return _json({"worker_id": worker.worker_id, "models": list(worker.models), "worker_secret": secret,
                       "message": "Added successfully"})
 
     async def nodes_remove(request: web.Request) -> web.Response:
@@ -138,9 +239,13 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
             url = body.get("url") if isinstance(body, dict) else None
         if not isinstance(url, str):
             return error_response(400, "`url` is required.", param="url")
-        worker = registry.remove_url(url)
+        target = next((w for w in registry.workers() if w.url == url.rstrip("/")), None)
+        access = _access(request)
+        if target is not None and not access.caller.admin and not access.caller.owns(target.secret_hash):
+            return access.auth.denied(access.caller, "removing this node", _secret_hashes(registry))
+        worker = registry.remove_url(url) if target is not None else None
         if worker is None:
-            return error_response(404, f"No node with url {url}.", code="worker_not_found")
+            return error_response(404, f"No node with url {redact_text(url)}.", code="worker_not_found")
         return _json({"removed": worker.worker_id, "message": "Deleted successfully"})
 
     async def nodes_status(request: web.Request) -> web.Response:
@@ -164,6 +269,15 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
     r.add_get("/nodes/status", nodes_status)
 
 
+def _public(worker: Worker, now: float) -> dict[str, object]:
+    """A worker as /workers shows it: secret-looking labels and error texts masked."""
+    out = worker.to_json(now)
+    out["labels"] = redact_mapping(out.get("labels") or {})
+    if isinstance(out.get("last_error"), str):
+        out["last_error"] = redact_text(out["last_error"])
+    return out
+
+
 async def _json_body(request: web.Request) -> object:
     raw = await request.read()
     if not raw:
@@ -181,6 +295,8 @@ def _is_worker_url(url: str) -> bool:
         host, port = parsed.host, parsed.port
     except ValueError:  # port out of range, broken IPv6 literal
         return False
+    if parsed.user is not None or parsed.password is not None or parsed.raw_query_string or parsed.raw_fragment:
+        return False  # credentials or a query would ride along on every probe and request
     return parsed.scheme in ("http", "https") and bool(host) and " " not in (host or "") and port is not None
 
 

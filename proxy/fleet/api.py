@@ -1,7 +1,7 @@
 """The fleet's admin HTTP routes on the proxy app (/fleet, /fleet/apply, /fleet/scale) and its metrics.
 
 Owns request/response shapes for fleet control and the Prometheus collector that reads the
-manager at scrape time; admin auth is the proxy app's (it covers /fleet*), not this module's.
+manager at scrape time; admin auth is the control plane's (proxy/api/control.py covers /fleet*: admin only).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from proxy.fleet.reconcile import FleetManager
 from proxy.fleet.supervisor import REPLICA_STATES
 
 FLEET_MANAGER_KEY: web.AppKey[FleetManager] = web.AppKey("kvroute_fleet_manager", FleetManager)
+# Most replicas of one model that /fleet/scale or /fleet/apply may ask for (a typo must not fork-bomb the host).
+MAX_REPLICAS = 256
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -36,10 +38,18 @@ async def get_fleet(request: web.Request) -> web.Response:
 
 
 async def post_apply(request: web.Request) -> web.Response:
-    """Body: the config file's text (YAML). Interpolation uses the environment of `kvroute up`."""
+    """Body: the config file's text (YAML), already interpolated by `kvroute apply`.
+
+    `${VAR}` is not resolved from the proxy's environment here (only `${VAR:-default}` takes its
+    default): a config sent over HTTP must not read the proxy's secrets back through GET /fleet.
+    """
     text = await request.text()
     try:
-        config = parse_config(text, source="applied config")
+        config = parse_config(text, source="applied config", env={})
+        too_many = [m.name for m in config.models if m.replicas > MAX_REPLICAS]
+        if too_many:
+            return _error(400, f"at most {MAX_REPLICAS} replicas per model over HTTP ({', '.join(too_many)})",
+                          "too_many_replicas", "replicas")
         plan = request.app[FLEET_MANAGER_KEY].apply(config)
     except ConfigError as exc:
         return _error(400, str(exc), "invalid_config")
@@ -56,6 +66,8 @@ async def post_scale(request: web.Request) -> web.Response:
         return _error(400, 'body must be JSON {"model": NAME, "replicas": N}', "invalid_request")
     if not isinstance(model, str) or not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
         return _error(400, "model must be a string and replicas an integer >= 0", "invalid_request", "replicas")
+    if replicas > MAX_REPLICAS:
+        return _error(400, f"at most {MAX_REPLICAS} replicas per model", "too_many_replicas", "replicas")
     try:
         plan = request.app[FLEET_MANAGER_KEY].scale(model, replicas)
     except KeyError:

@@ -1,7 +1,8 @@
 """`kvroute apply CONFIG`: send a config file to a running fleet, which reconciles to it.
 
-Owns the command line only: the file is checked here first (errors with key path and line),
-then its text goes to POST /fleet/apply, where `${VAR}`s take the values of `kvroute up`'s environment.
+Owns the command line only: the file is read, interpolated with THIS shell's environment (`${VAR}`)
+and checked here (errors with key path and line), then sent to POST /fleet/apply as JSON. The proxy
+does not interpolate configs sent over HTTP, so they cannot read its environment back.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ import os
 import sys
 from pathlib import Path
 
+import orjson
+
 from proxy.config import ConfigError, parse_config
 from proxy.fleet.cmd_scale import post_admin
+from proxy.security.tokenfile import token_for
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,13 +33,12 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"kvroute apply: cannot read {path}: {exc.strerror}", file=sys.stderr)
         return 2
-    # Variables may be set only where `kvroute up` runs, so a missing one is not an error here.
-    env = {**os.environ}
     try:
-        parse_config(text, source=str(path), env=env)
+        config = parse_config(text, source=str(path), env=dict(os.environ))
     except ConfigError as exc:
-        if not all("environment variable" in p for p in exc.problems):
-            print(f"kvroute apply: {exc}", file=sys.stderr)
-            return 2
-    return post_admin(args.proxy, "/fleet/apply", args.token, content=text.encode(),
+        print(f"kvroute apply: {exc}", file=sys.stderr)
+        return 2
+    # Only what the file sets (JSON is YAML): the proxy fills in the defaults itself.
+    body = orjson.dumps(config.model_dump(mode="json", exclude_unset=True))
+    return post_admin(args.proxy, "/fleet/apply", token_for(args.proxy, args.token), content=body,
                       extra_headers={"Content-Type": "application/yaml"})

@@ -11,6 +11,8 @@ import sys
 
 import httpx
 
+from proxy.security.tokenfile import token_for
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="model name or alias")
@@ -48,4 +50,5 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas < 0:
         print("kvroute scale: replicas must be >= 0", file=sys.stderr)
         return 2
-    return post_admin(args.proxy, "/fleet/scale", args.token, json={"model": args.model, "replicas": args.replicas})
+    return post_admin(args.proxy, "/fleet/scale", token_for(args.proxy, args.token),
+                      json={"model": args.model, "replicas": args.replicas})

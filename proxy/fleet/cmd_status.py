@@ -18,6 +18,7 @@ from rich.live import Live
 
 from proxy.fleet.proxyclient import workers_by_id
 from proxy.fleet.render import fleet_tables
+from proxy.security.tokenfile import token_for
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,7 +72,8 @@ class RateMeter:
 
 
 def run(args: argparse.Namespace) -> int:
-    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+    token = token_for(args.proxy, args.token)  # --token, KVROUTE_ADMIN_TOKEN, or the file `kvroute up` wrote
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     console = Console(width=None if sys.stdout.isatty() else 160)
     meter = RateMeter()
     with httpx.Client(base_url=args.proxy.rstrip("/"), headers=headers, timeout=5.0) as client:

@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the logs go: kvroute-up.log and one file per worker (env KVROUTE_RUN_DIR; "
                         "default .kvroute/logs/ next to the config file)")
     p.add_argument("--no-watch", action="store_true", help="do not follow edits of the config file")
+    p.add_argument("--insecure-open-control-plane", action="store_true",
+                   help="off loopback without proxy.admin_token, serve the control plane to everyone instead of "
+                        "generating a token (unsafe: anyone can start processes here)")
     p.add_argument("--ready-timeout-s", type=float, default=None,
                    help="how long to show start-up progress before printing the status anyway "
                         "(default: the longest startup_timeout_s of the models)")
@@ -58,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
         if args.port is not None:
             update["port"] = args.port
         config = config.model_copy(update={"proxy": config.proxy.model_copy(update=update)})
+    from proxy.cmd_proxy import _apply_security_flags
+
+    _apply_security_flags(config, args)
     args.run_dir = str(_log_dir(args.run_dir, path))
     _log_to_file(config.proxy.log_level, Path(args.run_dir))
     import uvloop
@@ -144,6 +150,7 @@ async def _up(args: argparse.Namespace, path: Path, config: FleetConfig) -> int:
     dial_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     port = config.proxy.port or _free_port(dial_host)
     config = config.model_copy(update={"proxy": config.proxy.model_copy(update={"port": port})})
+    config = _secure(config, console)
     proxy_url = f"http://{dial_host}:{port}"
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="kvroute-up-"))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -216,6 +223,27 @@ async def _up(args: argparse.Namespace, path: Path, config: FleetConfig) -> int:
         await stop_proxy()
         console.print("kvroute up: stopped")
     return 0
+
+
+def _secure(config: FleetConfig, console: Any) -> FleetConfig:
+    """Off loopback without an admin token, make one (kept in a 0600 file that `kvroute status/scale/apply`
+    read) unless --insecure-open-control-plane; and give the workers a token of their own, not the admin's."""
+    from proxy.security.controlauth import new_secret, startup_problem
+    from proxy.security.tokenfile import generate_admin_token
+
+    proxy = config.proxy
+    update: dict[str, Any] = {}
+    _, warning = startup_problem(proxy.host, proxy.admin_token, proxy.insecure_open_control_plane)
+    if warning and proxy.insecure_open_control_plane:
+        print(f"kvroute up: {warning}", file=sys.stderr, flush=True)
+    elif warning:
+        token, path = generate_admin_token(proxy.port)
+        update["admin_token"] = token
+        console.print(f"kvroute up: the control plane needs the admin token in {path} "
+                      "(`kvroute status`, `scale` and `apply` on this machine read it)")
+    if (proxy.admin_token or update.get("admin_token")) and not proxy.worker_token:
+        update["worker_token"] = new_secret()  # workers can register themselves, and administer nothing
+    return config.model_copy(update={"proxy": proxy.model_copy(update=update)}) if update else config
 
 
 async def _print_status(console: Any, manager: Any, proxy_url: str, ready: bool, run_dir: Path) -> None:

@@ -38,6 +38,9 @@ class FleetManager:
                  restart_policy: RestartPolicy | None = None, log_level: str = "info") -> None:
         self.desired = config
         self.proxy_url = proxy_url
+        # The running proxy's tokens are those it started with (an applied config's proxy section needs a
+        # restart); without a worker token the proxy accepts only the admin token from workers too.
+        self.worker_token = config.proxy.worker_token or config.proxy.admin_token
         self.control = control
         self._placements = placements
         self.gpus = gpus
@@ -177,8 +180,7 @@ class FleetManager:
         placement = self.placement(m.placement)
         launch = WorkerLaunch(worker_id=wid, model=m, proxy_url=self.proxy_url, gpus=gpus,
                               drain_grace_s=self.desired.proxy.drain_grace_s,
-                              # Without a worker token the proxy accepts only the admin token from workers too.
-                              worker_token=self.desired.proxy.worker_token or self.desired.proxy.admin_token,
+                              worker_token=self.worker_token,
                               log_level=self.log_level)
         r = Replica(launch, index, generation, spec_fingerprint(m), placement, self.restart_policy,
                     on_crash=lambda dead: self.control.deregister(dead.worker_id))

@@ -128,9 +128,9 @@ def test_the_control_plane_needs_the_admin_token_when_one_is_configured(fleet):
     assert fleet.http.post(fleet.url + "/workers", json=registration).status_code == 401
     ok = fleet.http.post(fleet.url + "/workers", json=registration, headers={"Authorization": "Bearer w0rker"})
     assert ok.status_code == 200
-    # the worker token registers and reports, but does not administer
+    # the worker token registers, but does not administer (a valid credential without the right: 403)
     assert fleet.http.post(f"{fleet.url}/workers/{ok.json()['worker_id']}/drain",
-                           headers={"Authorization": "Bearer w0rker"}).status_code == 401
+                           headers={"Authorization": "Bearer w0rker"}).status_code == 403
     assert fleet.http.post(fleet.url + "/nodes/add", json={"url": "http://x"}).status_code == 401
     assert fleet.http.get(fleet.url + "/health").status_code == 200  # not guarded
 
