@@ -20,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="fleet config file (YAML); without it defaults apply")
     p.add_argument("--state", default=None, help="'memory' (default) or redis://host:port/db")
     p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="client API keys for /v1/* (one per line, or a YAML list); replaces proxy.api_keys")
     p.add_argument("--insecure-open-control-plane", action="store_true",
                    help="serve /workers, /nodes and /fleet to anyone off loopback without an admin token (unsafe)")
 
@@ -38,6 +40,11 @@ def run(args: argparse.Namespace) -> int:
             config.proxy.log_level = args.log_level
         if args.state:
             config.state.url = args.state
+        if args.api_keys:
+            config.proxy.api_keys = args.api_keys
+        from proxy.security.limits import return_large_frees_to_the_os
+
+        return_large_frees_to_the_os()  # large request bodies go back to the OS once served
         _apply_security_flags(config, args)
     except (ConfigError, ValueError) as exc:
         print(f"kvroute proxy: {exc}", file=sys.stderr)

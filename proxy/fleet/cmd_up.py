@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the logs go: kvroute-up.log and one file per worker (env KVROUTE_RUN_DIR; "
                         "default .kvroute/logs/ next to the config file)")
     p.add_argument("--no-watch", action="store_true", help="do not follow edits of the config file")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="client API keys for /v1/* (one per line, or a YAML list); replaces proxy.api_keys")
     p.add_argument("--insecure-open-control-plane", action="store_true",
                    help="off loopback without proxy.admin_token, serve the control plane to everyone instead of "
                         "generating a token (unsafe: anyone can start processes here)")
@@ -61,6 +63,11 @@ def run(args: argparse.Namespace) -> int:
         if args.port is not None:
             update["port"] = args.port
         config = config.model_copy(update={"proxy": config.proxy.model_copy(update=update)})
+    if args.api_keys:
+        config.proxy.api_keys = args.api_keys
+    from proxy.security.limits import return_large_frees_to_the_os
+
+    return_large_frees_to_the_os()  # large request bodies go back to the OS once served
     from proxy.cmd_proxy import _apply_security_flags
 
     _apply_security_flags(config, args)

@@ -226,14 +226,30 @@ def _raw_response(template: bytes, message: str, err_type: str, code: str) -> by
 
 
 class _Refuse(asyncio.Protocol):
-    """Answers one connection over the cap with a 503 and closes it."""
+    """Answers one connection over the cap with a 503 and closes it.
+
+    Closes by halves (FIN, then close after the client's own or a second): closing a socket with
+    the client's unread request in it sends a reset, and the client would lose the 503 itself.
+    """
+
+    LINGER_S = 1.0
 
     def __init__(self, response: bytes) -> None:
         self.response = response
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport.write(self.response)  # type: ignore[attr-defined]
-        transport.close()
+        if transport.can_write_eof():  # type: ignore[attr-defined]
+            transport.write_eof()  # type: ignore[attr-defined]
+            asyncio.get_running_loop().call_later(self.LINGER_S, transport.close)
+        else:
+            transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        pass  # the request is not read: it is answered already
+
+    def eof_received(self) -> bool:
+        return False  # the client is done too: close now
 
 
 class LimitedTCPSite(web.TCPSite):
@@ -276,3 +292,31 @@ class LimitedTCPSite(web.TCPSite):
             return
         transport.write(self._timed_out)
         transport.close()
+
+
+# --- memory --------------------------------------------------------------------------------
+
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+MMAP_THRESHOLD_BYTES = 1024 * 1024
+
+
+def return_large_frees_to_the_os() -> bool:
+    """Make glibc serve every allocation of 1 MiB or more with its own mmap, for the whole process.
+
+    glibc's default raises its mmap threshold to the largest block freed so far (up to 32 MiB), so
+    after one burst of large bodies later ones land in the heap and stay there: 12 bodies of 24 MB
+    left the proxy at 400 MB RSS instead of its 62 MB baseline. A fixed threshold disables that
+    adjustment and freed bodies go back to the OS at once. Call at process start; False where the
+    C library is not glibc (nothing changes).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):
+        return False
