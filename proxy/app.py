@@ -12,7 +12,8 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
@@ -20,7 +21,8 @@ from proxy.api import control, ops
 from proxy.api import openai as openai_api
 from proxy.config import FleetConfig
 from proxy.dispatch import Dispatcher, PolicySet
-from proxy.errors import error_response
+from proxy.errors import error_response, shutting_down
+from proxy.liveconfig import ConfigChange, merge
 from proxy.metrics import ProxyMetrics
 from proxy.monitor import HealthMonitor
 from proxy.registry import Registry
@@ -42,6 +44,49 @@ MONITOR_KEY = web.AppKey("kvroute_monitor", HealthMonitor)
 METRICS_KEY = web.AppKey("kvroute_metrics", ProxyMetrics)
 STATE_KEY = web.AppKey("kvroute_state", RedisState)  # present only with state: redis://...
 
+# A stopping proxy looks again after every finished request, and at least this often.
+DRAIN_CHECK_S = 0.25
+# What aiohttp still gives its handlers (long-lived event streams) once the drain is over.
+HANDLER_SHUTDOWN_S = 1.0
+
+
+class Lifecycle:
+    """Stopping gracefully: new /v1 requests get 503 `shutting_down` at once, the ones in flight finish
+    (bounded by drain_grace_s); and the policy named on the command line, which config edits do not change."""
+
+    def __init__(self, registry: Registry, dispatcher: Dispatcher, policy_override: str | None) -> None:
+        self.registry = registry
+        self.dispatcher = dispatcher
+        self.policy_override = policy_override
+        self.shutting_down = False
+        self.on_shutdown: list[Callable[[], None]] = []  # the data plane's own gate
+
+    def begin_shutdown(self) -> None:
+        if not self.shutting_down:
+            self.shutting_down = True
+            log.info("shutting down: refusing new requests, finishing those in flight")
+            for hook in self.on_shutdown:
+                hook()
+
+    def in_flight(self) -> int:
+        """Requests sent to a worker or waiting in an admission queue."""
+        return (sum(w.load.in_flight for w in self.registry.workers())
+                + sum(self.dispatcher.queue_lengths().values()))
+
+    async def drain(self, grace_s: float) -> bool:
+        """begin_shutdown(), then wait until nothing is in flight; False when grace_s ran out first."""
+        self.begin_shutdown()
+        deadline = time.monotonic() + grace_s
+        while (left := self.in_flight()) and (remaining := deadline - time.monotonic()) > 0:
+            # every finished request notifies the registry; the cap covers requests leaving a queue
+            await asyncio.wait({self.registry.changed()}, timeout=min(remaining, DRAIN_CHECK_S))
+        if left:
+            log.warning("drain grace (%gs) over with %d requests in flight; stopping anyway", grace_s, left)
+        return not left
+
+
+LIFECYCLE_KEY = web.AppKey("kvroute_lifecycle", Lifecycle)
+
 
 def build_app(config: FleetConfig, *, policy: str | None = None) -> web.Application:
     """A not-yet-started proxy app for `config`; `policy` overrides config.proxy.policy.
@@ -60,7 +105,7 @@ def build_app(config: FleetConfig, *, policy: str | None = None) -> web.Applicat
 
     # aiohttp refuses bodies over client_max_size while reading; dispatch turns that into a 413.
     app = web.Application(client_max_size=proxy_cfg.max_body_bytes,
-                          middlewares=[openai_errors, client_keys_middleware(client_auth),
+                          middlewares=[openai_errors, shutdown_gate, client_keys_middleware(client_auth),
                                        limits_middleware(config, registry), control.auth_middleware(proxy_cfg)])
     app[REGISTRY_KEY] = registry
     app[CONFIG_KEY] = config
@@ -68,6 +113,7 @@ def build_app(config: FleetConfig, *, policy: str | None = None) -> web.Applicat
     app[UPSTREAM_KEY] = upstream
     app[MONITOR_KEY] = monitor
     app[METRICS_KEY] = metrics
+    app[LIFECYCLE_KEY] = Lifecycle(registry, dispatcher, policy)
     if config.state.url != "memory":
         app[STATE_KEY] = RedisState(registry, config.state.url)
 
@@ -93,6 +139,33 @@ async def openai_errors(request: web.Request, handler: control.Handler) -> web.S
         log.exception("unhandled error serving %s %s", request.method, request.path)
         return error_response(500, "The proxy failed to handle this request.", "server_error",
                               code="internal_error")
+
+
+@web.middleware
+async def shutdown_gate(request: web.Request, handler: control.Handler) -> web.StreamResponse:
+    """While stopping: new completions get 503 `shutting_down`, and /ready says so (load balancers look)."""
+    if request.app[LIFECYCLE_KEY].shutting_down and (request.path.startswith("/v1/") and request.method == "POST"
+                                                     or request.path == "/ready"):
+        return shutting_down().response()
+    return await handler(request)
+
+
+def apply_config(app: web.Application, config: FleetConfig) -> ConfigChange:
+    """A new config while running (`kvroute up`'s file edits and `kvroute apply`): models, aliases,
+    per-model policies and the live proxy keys (liveconfig.LIVE_PROXY_KEYS) hold from the next request;
+    the other proxy keys keep their running values and are listed in the result."""
+    dispatcher = app[DISPATCHER_KEY]
+    change = merge(dispatcher.config, config)
+    new = change.config
+    lifecycle = app[LIFECYCLE_KEY]
+    policies = PolicySet(new, lifecycle.policy_override or new.proxy.policy, dispatcher.policies.deps,
+                         reuse=dispatcher.policies)  # ValueError for an unknown name: nothing changed yet
+    dispatcher.config, dispatcher.proxy_config, dispatcher.policies = new, new.proxy, policies
+    dispatcher.admission.config = new.proxy
+    app[UPSTREAM_KEY].timeouts = new.proxy.timeouts
+    if "proxy.log_level" in change.live:
+        logging.getLogger().setLevel(new.proxy.log_level.upper())
+    return change
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -126,7 +199,7 @@ async def serve(app: web.Application, host: str, port: int, data_plane: str | No
 
     config = app[CONFIG_KEY]
     hop_secret = peer.install(app)  # before start-up: a started app is frozen
-    runner = web.AppRunner(app, access_log=None, **parser_limits(config))
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=HANDLER_SHUTDOWN_S, **parser_limits(config))
     await runner.setup()
     sockdir = tempfile.mkdtemp(prefix="kvroute-")  # mode 0700: only this user reaches the control socket
     plane: DataPlane | None = None
@@ -136,10 +209,12 @@ async def serve(app: web.Application, host: str, port: int, data_plane: str | No
         dispatcher = app[DISPATCHER_KEY]
         plane = DataPlane(config, dispatcher, app[REGISTRY_KEY], app[METRICS_KEY], dispatcher.client_auth, path,
                           hop_secret)
+        app[LIFECYCLE_KEY].on_shutdown.append(plane.begin_shutdown)
         bound = await plane.start(host, port)
         print(f"kvroute proxy listening on http://{host}:{bound}", flush=True)
         await asyncio.Event().wait()
     finally:
+        await app[LIFECYCLE_KEY].drain(app[DISPATCHER_KEY].proxy_config.drain_grace_s)  # a 2nd cancel: at once
         if plane is not None:
             await plane.close()
         await runner.cleanup()
@@ -150,7 +225,8 @@ async def _serve_aiohttp(app: web.Application, host: str, port: int) -> None:
     """The previous data plane: everything on aiohttp."""
     # handler_cancellation: a client that disconnects cancels its handler, and with it the
     # upstream request (the worker sees the connection close and stops generating).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, **parser_limits(app[CONFIG_KEY]))
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=HANDLER_SHUTDOWN_S,
+                           **parser_limits(app[CONFIG_KEY]))
     await runner.setup()
     try:
         site = LimitedTCPSite(runner, host, port, app[CONFIG_KEY].proxy.limits, backlog=1024, reuse_address=True)
@@ -159,4 +235,5 @@ async def _serve_aiohttp(app: web.Application, host: str, port: int) -> None:
         print(f"kvroute proxy listening on http://{host}:{bound[1]}", flush=True)
         await asyncio.Event().wait()
     finally:
+        await app[LIFECYCLE_KEY].drain(app[DISPATCHER_KEY].proxy_config.drain_grace_s)
         await runner.cleanup()

@@ -49,13 +49,16 @@ MAX_MODEL_LABELS = 64
 class PolicySet:
     """The policy for each model: the model's own from config, else the global one."""
 
-    def __init__(self, config: FleetConfig, global_policy: str, deps: PolicyDeps) -> None:
+    def __init__(self, config: FleetConfig, global_policy: str, deps: PolicyDeps,
+                 reuse: PolicySet | None = None) -> None:
+        """`reuse`: a running set whose policy objects are kept where the name is unchanged (what they learnt)."""
         self.deps = deps
-        self.default = make_policy(global_policy, deps)
+        kept = {p.name: p for p in ([reuse.default, *reuse._by_model.values()] if reuse else [])}
+        self.default = kept.get(global_policy) or make_policy(global_policy, deps)
         self._by_model: dict[str, Policy] = {}
         for model in config.models:
             if model.policy and model.policy != global_policy:
-                self._by_model[model.name] = make_policy(model.policy, deps)
+                self._by_model[model.name] = kept.get(model.policy) or make_policy(model.policy, deps)
 
     def for_model(self, model: str) -> Policy:
         return self._by_model.get(model, self.default)
@@ -286,6 +289,7 @@ def _request_id(given: str | None) -> str:
 def _too_large(limit: int) -> ProxyError:
     return ProxyError(413, f"The request body is larger than the proxy's limit of {limit} bytes.",
                       "invalid_request_error", code="request_too_large")
+
 
 def attempt_of(failure: RetryableFailure) -> Attempt:
     """upstream.py's RetryableFailure in retry_policy's terms. A first-byte timeout and a body that stopped

@@ -56,3 +56,9 @@ def model_not_found(model: str) -> ProxyError:
 def no_healthy_worker(model: str) -> ProxyError:
     return ProxyError(503, f"No healthy worker is serving model `{model}` right now.", "service_unavailable",
                       code="no_healthy_worker", headers={"Retry-After": "1"})
+
+
+def shutting_down() -> ProxyError:
+    return ProxyError(503, "The proxy is shutting down; send the request again (to another replica, or to this "
+                           "address once it is back).", "service_unavailable", code="shutting_down",
+                      headers={"Retry-After": "2"})

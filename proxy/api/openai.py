@@ -27,7 +27,7 @@ def add_routes(app: web.Application, dispatcher: Dispatcher, registry: Registry,
         return await dispatcher.handle(request, COMPLETIONS)
 
     async def models(request: web.Request) -> web.Response:
-        return web.Response(body=orjson.dumps({"object": "list", "data": list_models(registry, config)}),
+        return web.Response(body=orjson.dumps({"object": "list", "data": list_models(registry, dispatcher.config)}),
                             content_type="application/json")
 
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -6,6 +6,8 @@ manager at scrape time; admin auth is the control plane's (proxy/api/control.py 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +19,10 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from proxy.config import ConfigError, parse_config
 from proxy.fleet.gpus import GpuAssignmentError
 from proxy.fleet.reconcile import FleetManager
+from proxy.fleet.scalefile import ScaleWriteError, write_replicas
 from proxy.fleet.supervisor import REPLICA_STATES
+
+log = logging.getLogger("kvroute.fleet")
 
 FLEET_MANAGER_KEY: web.AppKey[FleetManager] = web.AppKey("kvroute_fleet_manager", FleetManager)
 # Most replicas of one model that /fleet/scale or /fleet/apply may ask for (a typo must not fork-bomb the host).
@@ -68,12 +73,23 @@ async def post_scale(request: web.Request) -> web.Response:
         return _error(400, "model must be a string and replicas an integer >= 0", "invalid_request", "replicas")
     if replicas > MAX_REPLICAS:
         return _error(400, f"at most {MAX_REPLICAS} replicas per model", "too_many_replicas", "replicas")
+    manager = request.app[FLEET_MANAGER_KEY]
     try:
-        plan = request.app[FLEET_MANAGER_KEY].scale(model, replicas)
+        plan = manager.scale(model, replicas)
     except KeyError:
         return _error(404, f"no model or alias named '{model}' in the fleet", "model_not_found", "model")
     except GpuAssignmentError as exc:
         return _error(409, str(exc), "does_not_fit", "replicas")
+    path = manager.config_path
+    if path is not None:  # the file keeps saying what runs, so its next edit does not undo this scale
+        name = manager.desired.model(model).name  # type: ignore[union-attr]  # scale() found it
+        try:
+            await asyncio.to_thread(write_replicas, path, name, replicas)
+            plan["config file"] = f"{path}: replicas of {name} set to {replicas} (comments kept)"
+        except ScaleWriteError as exc:
+            log.warning("kvroute scale could not update %s: %s", path, exc)
+            plan["config file"] = (f"NOT updated ({exc}); its next edit sets the replicas it says, "
+                                   f"undoing this scale")
     return _json({"plan": plan})
 
 

@@ -196,6 +196,7 @@ async def _up(args: argparse.Namespace, path: Path, config: FleetConfig) -> int:
         loop.add_signal_handler(sig, on_signal)
 
     watcher = None
+    manager.config_path = path  # `kvroute scale` writes the new count back here (proxy/fleet/scalefile.py)
     manager.start()
     if not args.no_watch:
         from proxy.fleet.watch import ConfigWatcher
@@ -216,6 +217,12 @@ async def _up(args: argparse.Namespace, path: Path, config: FleetConfig) -> int:
         console.print("kvroute up: draining and stopping every worker (Ctrl-C again to kill at once)")
         if watcher is not None:
             await watcher.stop()
+        # New requests get 503 shutting_down at once; those in flight finish before the workers go.
+        draining = asyncio.create_task(stop_proxy.drain(manager.desired.proxy.drain_grace_s))
+        forced_early = asyncio.create_task(force.wait())
+        await asyncio.wait({draining, forced_early}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (draining, forced_early):
+            task.cancel()
         shutdown = asyncio.create_task(manager.shutdown(drain=True))
         forced = asyncio.create_task(force.wait())
         await asyncio.wait({shutdown, forced}, return_when=asyncio.FIRST_COMPLETED)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -17,21 +17,19 @@ from proxy.config import FleetConfig
 from proxy.fleet.api import add_fleet_routes, register_fleet_metrics
 from proxy.fleet.reconcile import FleetManager
 
+if TYPE_CHECKING:
+    from proxy.app import Lifecycle
+
 
 async def start_proxy(config: FleetConfig, manager: FleetManager, host: str, port: int,
-                      policy: str | None = None, within_s: float = 30.0) -> Callable[[], Awaitable[None]]:
-    """Start serving; return once /health answers. The result stops the proxy."""
-    from proxy.app import DISPATCHER_KEY, METRICS_KEY, build_app, serve
+                      policy: str | None = None, within_s: float = 30.0) -> RunningProxy:
+    """Start serving; return once /health answers. Calling the result stops the proxy."""
+    from proxy.app import LIFECYCLE_KEY, METRICS_KEY, apply_config, build_app, serve
 
     app = build_app(config, policy=policy)
     add_fleet_routes(app, manager)
-    dispatcher = app[DISPATCHER_KEY]
-
-    def follow_models(new: FleetConfig) -> None:
-        # Models and aliases added by an edit must resolve at once; proxy settings still need a restart.
-        dispatcher.config = dispatcher.config.model_copy(update={"models": new.models})
-
-    manager.on_apply.append(follow_models)
+    # Models, aliases, per-model policies and the live proxy keys of an edit hold from the next request.
+    manager.on_apply.append(lambda new: apply_config(app, new))
     register_fleet_metrics(app[METRICS_KEY].collector_registry, manager)
     task = asyncio.create_task(serve(app, host, port), name="kvroute-proxy")
     dial = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
@@ -50,9 +48,24 @@ async def start_proxy(config: FleetConfig, manager: FleetManager, host: str, por
                 raise RuntimeError(f"the proxy did not answer on {dial}:{port} within {within_s:g}s")
             await asyncio.sleep(0.05)
 
-    async def stop() -> None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    return RunningProxy(task, app[LIFECYCLE_KEY])
 
-    return stop
+
+class RunningProxy:
+    """The proxy task of `kvroute up`: `await drain(grace)` refuses new requests and lets those in flight
+    finish; `await stop()` (or calling the object) ends it."""
+
+    def __init__(self, task: asyncio.Task[None], lifecycle: Lifecycle) -> None:
+        self.task = task
+        self.lifecycle = lifecycle
+
+    async def drain(self, grace_s: float) -> bool:
+        return await self.lifecycle.drain(grace_s)
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+    async def __call__(self) -> None:
+        await self.stop()

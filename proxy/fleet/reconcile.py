@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from proxy.config import FleetConfig, ModelConfig
@@ -20,6 +21,7 @@ from proxy.fleet.launcher import WorkerLaunch, spec_fingerprint, worker_id_for
 from proxy.fleet.placement.base import Placement
 from proxy.fleet.proxyclient import ProxyControl, record_state
 from proxy.fleet.supervisor import FAILED, READY, Replica, RestartPolicy
+from proxy.liveconfig import merge
 
 log = logging.getLogger("kvroute.fleet")
 
@@ -37,10 +39,11 @@ class FleetManager:
                  placements: dict[str, Placement] | Callable[[str], Placement], gpus: GpuPool,
                  restart_policy: RestartPolicy | None = None, log_level: str = "info") -> None:
         self.desired = config
-        self.proxy_url = proxy_url
+        self.config_path: Path | None = None  # `kvroute up`'s file: /fleet/scale writes the new count there
         # The running proxy's tokens are those it started with (an applied config's proxy section needs a
         # restart); without a worker token the proxy accepts only the admin token from workers too.
         self.worker_token = config.proxy.worker_token or config.proxy.admin_token
+        self.proxy_url = proxy_url
         self.control = control
         self._placements = placements
         self.gpus = gpus
@@ -66,8 +69,11 @@ class FleetManager:
         plan_assignment(local_gpu_demands(config), self.gpus.gpus, self.gpus.source)
 
     def apply(self, config: FleetConfig) -> dict[str, Any]:
-        """Accept a new desired state and reconcile towards it in the background; returns the plan."""
+        """Accept a new desired state and reconcile towards it in the background; returns the plan.
+
+        Raises GpuAssignmentError (does not fit) or ConfigError (unknown policy) and keeps the old state."""
         self.check(config)
+        change = merge(self.desired, config)  # refuses an unknown policy before anything changes
         before = {m.name: m for m in self.desired.models}
         plan: dict[str, Any] = {}
         for m in config.models:
@@ -82,10 +88,11 @@ class FleetManager:
                 plan[m.name] = "unchanged"
         for name in before:
             plan[name] = "remove (drain all replicas)"
-        # The running proxy keeps its settings (host/port may come from the command line, not the file).
-        if config.proxy.model_dump(exclude={"host", "port"}) != self.desired.proxy.model_dump(exclude={"host", "port"}):
-            plan["proxy"] = "proxy settings changed: they take effect when `kvroute up` restarts"
-        config = config.model_copy(update={"proxy": self.desired.proxy})
+        # Live proxy keys (policy, timeouts, queue, retries, ...) change now, the others are reported as
+        # needing a restart (liveconfig.py); the proxy in this process takes the result (on_apply).
+        if change.describe():
+            plan["proxy"] = change.describe()
+        config = change.config
         self.desired = config
         self.generation += 1
         for listener in self.on_apply:

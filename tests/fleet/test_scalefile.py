@@ -1,0 +1,51 @@
+"""`kvroute scale` writes the count back into the config file and leaves every other byte alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.config import parse_config
+from proxy.fleet.scalefile import ScaleWriteError, set_replicas, write_replicas
+
+CONFIG = """\
+# our fleet (comments stay)
+proxy:
+  port: 8000   # the public port
+models:
+  - name: small
+    engine: sim
+    replicas: 2        # two is plenty at night
+    engine_args: {time-scale: 1}
+  - name: "big"
+    aliases: [large]
+    engine: sim
+"""
+
+
+def test_the_count_changes_and_comments_and_other_models_stay():
+    out = set_replicas(CONFIG, "small", 5)
+    assert out == CONFIG.replace("replicas: 2        #", "replicas: 5        #")
+    assert [m.replicas for m in parse_config(out).models] == [5, 1]
+
+
+def test_a_model_without_replicas_gets_the_line_after_its_name():
+    out = set_replicas(CONFIG, "big", 3)
+    assert '  - name: "big"\n    replicas: 3\n    aliases: [large]\n' in out
+    assert [m.replicas for m in parse_config(out).models] == [2, 3]
+
+
+def test_an_unknown_model_or_a_flow_style_entry_is_refused():
+    with pytest.raises(ScaleWriteError, match="no model named"):
+        set_replicas(CONFIG, "nope", 1)
+    with pytest.raises(ScaleWriteError, match="flow style"):
+        set_replicas("models:\n  - {name: a, engine: sim}\n", "a", 2)
+
+
+def test_write_replicas_keeps_the_file_mode(tmp_path):
+    path = tmp_path / "fleet.yaml"
+    path.write_text(CONFIG)
+    path.chmod(0o640)
+    write_replicas(path, "small", 0)
+    assert "replicas: 0        # two is plenty" in path.read_text()
+    assert path.stat().st_mode & 0o777 == 0o640
+    assert [p.name for p in tmp_path.iterdir()] == ["fleet.yaml"]
