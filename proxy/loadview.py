@@ -72,8 +72,8 @@ class WorkerLoad:
         self.in_flight = 0
         self.in_flight_tokens = 0
         self.dispatched_total = 0
-        # requests the newest reading already counted that have finished since: each one let the
-        # engine admit one of the requests it reported waiting
+        # requests finished since the newest reading: each one let the engine admit one of the
+        # requests it reported waiting (or was one of them, if it was sent just before the reading)
         self.finished_since_reading = 0
 
     # --- events -------------------------------------------------------------------------
@@ -101,8 +101,7 @@ class WorkerLoad:
     def finish_request(self, dispatch: Dispatch) -> None:
         self.in_flight -= 1
         self.in_flight_tokens -= dispatch.kv_tokens
-        if not dispatch.pending:
-            self.finished_since_reading += 1
+        self.finished_since_reading += 1
         self._uncount(dispatch)
 
     # --- views --------------------------------------------------------------------------
@@ -139,8 +138,8 @@ class WorkerLoad:
         """Requests the engine is estimated to hold waiting (not yet admitted) now.
 
         0 while it reported none waiting (it admits what it gets); otherwise its reported waiting,
-        plus what was sent since, minus one per request of the reading that finished since (each
-        frees room for one waiter). A worker without a reading is assumed to admit.
+        plus what was sent since, minus one per request finished since (each frees room for one
+        waiter). A worker without a reading is assumed to admit.
         """
         reading = self.reading
         if reading is None or reading.num_waiting == 0:

@@ -16,6 +16,14 @@ NOISE_SD^2 (so the prior acts as ridge regularisation until observations outweig
 (prefill_tokens_per_s) adds a pseudo-observation on s_tok; its decode step time (decode_step_s)
 is smoothed directly. `turnover_s` (first token -> completion, how long a request holds its KV)
 is an exponential average of what the proxy measures on streamed requests.
+
+Workers borrow strength from each other: the fleet's pooled theta is an exponential average of
+every informed worker's (starting at the priors), and a worker's effective theta is shrunk
+towards it, own weight n / (n + SHRINK_N) after n measurements (a worker reporting its rate
+counts as SHRINK_N more). A new replica is then priced like its siblings, not as an unknown
+machine, and two similar workers do not look different because of a few noisy early samples
+(the first request on a new connection, say); a residual is also clipped to CLIP x the noise
+plus half the prediction before it updates theta.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ PRIOR_OUTPUT_TOKENS = 256
 # the event loops): their ratio sets how many observations it takes to move away from a prior.
 PRIOR_SD = (0.05, 2e-4, 2e-4)
 NOISE_SD = 0.005
+SHRINK_N = 10.0
+CLIP = 3.0
 # RLS forgetting: ~1/(1-FORGET) = 50 recent observations dominate, so a worker that slows down
 # (a noisy neighbour, thermal throttling, a bigger batch) is re-learnt within a few seconds of load.
 FORGET = 0.98
@@ -49,9 +59,10 @@ class WorkerModel:
     """Learnt parameters of one worker (see the module docstring)."""
 
     __slots__ = ("theta", "cov", "decode_step_s", "turnover_s", "observations", "reported_rate",
-                 "mean_prefill_tokens", "mean_kv_tokens")
+                 "mean_prefill_tokens", "mean_kv_tokens", "pooled")
 
-    def __init__(self) -> None:
+    def __init__(self, pooled: WorkerModel | None = None) -> None:
+        self.pooled = pooled  # the fleet's parameters, used until this worker is informed
         s_tok = 1.0 / PRIOR_PREFILL_TOKENS_PER_S
         self.theta = [PRIOR_BIAS_S, s_tok, PRIOR_VISION_EXTRA * s_tok]
         # covariance in units of the measurement noise's variance (what RLS's gain formula assumes)
@@ -66,16 +77,28 @@ class WorkerModel:
 
     # --- what the decision reads -------------------------------------------------------------
     @property
+    def informed(self) -> bool:
+        return self.observations > 0 or self.reported_rate
+
+    def _effective(self, i: int) -> float:
+        pooled = self.pooled
+        if pooled is None:
+            return self.theta[i]
+        n = self.observations + (SHRINK_N if self.reported_rate else 0.0)
+        weight = n / (n + SHRINK_N)
+        return pooled.theta[i] + weight * (self.theta[i] - pooled.theta[i])
+
+    @property
     def bias_s(self) -> float:
-        return min(max(self.theta[0], 0.0), 10.0)
+        return min(max(self._effective(0), 0.0), 10.0)
 
     @property
     def s_per_token(self) -> float:
-        return min(max(self.theta[1], MIN_S_PER_TOKEN), MAX_S_PER_TOKEN)
+        return min(max(self._effective(1), MIN_S_PER_TOKEN), MAX_S_PER_TOKEN)
 
     @property
     def s_per_media_token(self) -> float:
-        return min(max(self.theta[2], 0.0), MAX_S_PER_TOKEN)
+        return min(max(self._effective(2), 0.0), MAX_S_PER_TOKEN)
 
     def prefill_s(self, uncached_tokens: float, uncached_media_tokens: float) -> float:
         """Seconds from the head of the queue to the first token for this much new prompt."""
@@ -84,15 +107,17 @@ class WorkerModel:
 
     def request_turnover_s(self, expected_output_tokens: int) -> float:
         """How long a request stays running after its first token (it holds its KV until then)."""
-        if self.turnover_s is not None:
-            return self.turnover_s
-        return self.decode_step_s * (expected_output_tokens or PRIOR_OUTPUT_TOKENS)
+        source = self if self.turnover_s is not None or self.pooled is None else self.pooled
+        if source.turnover_s is not None:
+            return source.turnover_s
+        return source.decode_step_s * (expected_output_tokens or PRIOR_OUTPUT_TOKENS)
 
     # --- learning ------------------------------------------------------------------------------
     def observe_prefill(self, uncached_tokens: float, uncached_media_tokens: float, seconds: float) -> None:
         """One measured (time to first byte - predicted queueing) for this much new prompt."""
         self._rls((1.0, float(uncached_tokens), float(uncached_media_tokens)), seconds)
         self.observations += 1
+        self._pool()
 
     def observe_report(self, prefill_tokens_per_s: float | None, decode_step_s: float | None) -> None:
         if prefill_tokens_per_s is not None and prefill_tokens_per_s > 0:
@@ -101,6 +126,10 @@ class WorkerModel:
             self.reported_rate = True
         if decode_step_s is not None and decode_step_s > 0:
             self.decode_step_s += EWMA * (decode_step_s - self.decode_step_s)
+            if self.pooled is not None:
+                self.pooled.decode_step_s += EWMA * (self.decode_step_s - self.pooled.decode_step_s)
+        if self.reported_rate:
+            self._pool()
 
     def observe_dispatch(self, prefill_tokens: int, kv_tokens: int) -> None:
         if self.mean_kv_tokens == 0.0:
@@ -113,13 +142,28 @@ class WorkerModel:
         if seconds < 0:
             return
         self.turnover_s = seconds if self.turnover_s is None else self.turnover_s + EWMA * (seconds - self.turnover_s)
+        if self.pooled is not None:
+            self.pooled.observe_turnover(self.turnover_s)
+
+    def _pool(self) -> None:
+        pooled = self.pooled
+        if pooled is None:
+            return
+        if not pooled.informed:  # the first informed worker replaces the priors outright
+            pooled.theta = list(self.theta)
+            pooled.observations = 1
+            return
+        for i in range(3):
+            pooled.theta[i] += EWMA * (self.theta[i] - pooled.theta[i])
 
     def _rls(self, x: tuple[float, float, float], y: float) -> None:
         p, theta = self.cov, self.theta
         px = [p[i][0] * x[0] + p[i][1] * x[1] + p[i][2] * x[2] for i in range(3)]
         denom = FORGET + x[0] * px[0] + x[1] * px[1] + x[2] * px[2]
         gain = [v / denom for v in px]
-        error = y - (theta[0] * x[0] + theta[1] * x[1] + theta[2] * x[2])
+        predicted = theta[0] * x[0] + theta[1] * x[1] + theta[2] * x[2]
+        limit = CLIP * NOISE_SD + 0.5 * abs(predicted)
+        error = min(max(y - predicted, -limit), limit)
         for i in range(3):
             theta[i] += gain[i] * error
         for i in range(3):
@@ -148,11 +192,12 @@ class FleetEstimator:
 
     def __init__(self) -> None:
         self.models = {}
+        self.pooled = WorkerModel()
 
     def for_worker(self, worker_id: str) -> WorkerModel:
         model = self.models.get(worker_id)
         if model is None:
-            model = self.models[worker_id] = WorkerModel()
+            model = self.models[worker_id] = WorkerModel(self.pooled)
         return model
 
     def forget(self, worker_id: str) -> None:

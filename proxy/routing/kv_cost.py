@@ -9,7 +9,8 @@ candidate worker w whose cache holds its first c tokens (prefix index depth), ca
     uncached u = P - c;  uncached media m = M x u / P    (the media share of the uncached part)
     need     n = u + O                                   (KV the request adds there at its peak)
     committed  = used + pending_kv + W x kv_bar          (reported KV in use, what the proxy sent
-                                                          since that report, what w reports waiting)
+                                                          since that report, what w reports waiting
+                                                          less what finished since)
 
     queue(w)   = s_tok x (pending_prefill + W x u_bar)   # prompts ahead of it are prefilled first
                + max(kv_wait, seq_wait)
@@ -96,7 +97,9 @@ def predict(worker: Worker, model: WorkerModel, request: RoutedRequest, cached: 
     reading = load.reading
     if reading is not None:
         used = reading.kv_usage * capacity
-        waiting, running = reading.num_waiting, reading.num_running
+        # each request finished since the reading let one of the reported waiters in
+        waiting = max(0, reading.num_waiting - load.finished_since_reading)
+        running = reading.num_running
     else:
         used, waiting, running = 0.0, 0, load.in_flight
     pending_kv = load.pending_kv_tokens(now)

@@ -1,0 +1,73 @@
+"""kv_cost through a real proxy to real sim workers under KV pressure: hot prefixes stay, cold prompts move.
+
+Two cpu-tiny sim workers with a 4096-token KV cache each, in real time. A long shared system
+prompt becomes hot on one worker; while that worker's cache is loaded with its streams, cold long
+prompts sent one at a time go to the other worker (they would wait for KV there and push the hot
+prefix out), and the hot requests keep going to their owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+import pytest
+
+from tests.support.procs import wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+HOT_SYSTEM = ("You are the assistant of a bicycle repair shop. Quote the workshop manual section for every "
+              "answer and never invent part numbers. ") * 40
+
+
+def hot_body(i: int, max_tokens: int) -> dict:
+    return {"model": "m1", "max_tokens": max_tokens, "stream": True, "messages": [
+        {"role": "system", "content": HOT_SYSTEM}, {"role": "user", "content": f"Question {i}: a squeaky brake?"}]}
+
+
+def cold_body(i: int) -> dict:
+    rng = random.Random(i)
+    text = " ".join(rng.choice(("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf")) + str(rng.randrange(99))
+                    for _ in range(900))
+    return {"model": "m1", "max_tokens": 16, "stream": True, "messages": [
+        {"role": "user", "content": f"Summarise document {i}: {text}"}]}
+
+
+def test_a_hot_prefix_keeps_its_worker_under_pressure_while_cold_prompts_go_elsewhere(fleet):
+    fleet.start_proxy("--log-level", "debug")  # each decision's predicted times land in the proxy's log
+    fleet.start_sims(2, time_scale=1, kv_capacity_tokens=4096)
+    owners = set()
+    for i in range(3):  # sequential: the prefix becomes hot on one worker
+        resp = fleet.http.post(fleet.url + "/v1/chat/completions", json=hot_body(i, 4))
+        assert resp.status_code == 200
+        owners.add(resp.headers["x-kvroute-worker"])
+    assert len(owners) == 1, owners
+    (owner,) = owners
+
+    async def under_pressure() -> tuple[list[httpx.Response], list[httpx.Response]]:
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+            url = fleet.url + "/v1/chat/completions"
+            hot = [asyncio.create_task(client.post(url, json=hot_body(10 + i, 300))) for i in range(6)]
+
+            def loaded() -> bool:
+                report = fleet.worker(owner).get("last_report") or {}
+                return report.get("kv_cache_usage", 0.0) >= 0.4
+            await asyncio.to_thread(wait_until, loaded, 20, 0.02, f"{owner} under KV pressure")
+            # one at a time while the owner's streams run: each cold prompt (~3000 tokens) alone
+            # would not fit in the owner's free KV beside them, and would push its hot prefix out
+            cold, more_hot = [], []
+            for i in range(3):
+                cold.append(await client.post(url, json=cold_body(i)))
+                more_hot.append(await client.post(url, json=hot_body(20 + i, 16)))
+            assert not all(t.done() for t in hot), "the owner's streams ended before the cold prompts came"
+            return list(await asyncio.gather(*hot)) + more_hot, cold
+
+    hot, cold = asyncio.run(under_pressure())
+    assert all(r.status_code == 200 for r in hot + cold)
+    hot_workers = [r.headers["x-kvroute-worker"] for r in hot]
+    cold_workers = [r.headers["x-kvroute-worker"] for r in cold]
+    assert hot_workers == [owner] * len(hot), (hot_workers, fleet.workers())
+    assert owner not in cold_workers, (cold_workers, fleet.workers())
