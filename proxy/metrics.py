@@ -1,7 +1,7 @@
 """The proxy's Prometheus metrics (prefix `kvroute:`), one CollectorRegistry per app.
 
-Owns metric definitions and the per-worker gauges read from the registry at scrape time;
-events are recorded by the layer where they happen (dispatch, upstream).
+Owns metric definitions, the per-worker gauges read from the registry at scrape time, and dropping a
+removed worker's label sets; events are recorded by the layer where they happen (dispatch, upstream).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from proxy.registry import Registry, WorkerState
+from proxy.registry import Registry, Worker, WorkerState
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -39,9 +39,28 @@ class ProxyMetrics:
         self.stream_failures = Counter("kvroute:stream_failures", "Streams a worker broke after the first byte",
                                        ["model", "worker"], registry=r)
         r.register(_WorkerGauges(registry))
+        # Worker ids churn (a new generation per restart): a removed worker's label sets go with it, or
+        # /metrics would grow for as long as the proxy runs.
+        self._per_worker: tuple[tuple[Counter, tuple[str, ...]], ...] = (
+            (self.requests, ("model", "worker", "status")), (self.decisions, ("policy", "worker", "reason")),
+            (self.stream_failures, ("model", "worker")))
+        registry.add_listener(self._on_registry_change)
 
     def render(self) -> bytes:
         return generate_latest(self.collector_registry)
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Remove every label set that names `worker_id`."""
+        for metric, names in self._per_worker:  # names: in the order .labels() takes them
+            stale = {tuple(sample.labels[n] for n in names)
+                     for family in metric.collect() for sample in family.samples
+                     if sample.labels.get("worker") == worker_id}
+            for values in stale:
+                metric.remove(*values)
+
+    def _on_registry_change(self, kind: str, worker: Worker, detail: object) -> None:
+        if kind == "remove":
+            self.forget_worker(worker.worker_id)
 
 
 class _WorkerGauges(Collector):
