@@ -8,16 +8,22 @@ A missing Chromium fails this test: `make system-deps` installs it.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import threading
 from pathlib import Path
 
 import httpx
+from aiohttp import web
 
+from proxy.api import dashboard
+from proxy.metrics import ProxyMetrics
+from proxy.protocol import WorkerRegistration
+from proxy.registry import Registry
 from tests.observability.cdp import Browser
 from tests.proxy.fleet import Fleet
-from tests.support.procs import REPO, wait_until
+from tests.support.procs import REPO, free_port, wait_until
 
 MODEL = "qwen3-vl-demo"
 KV_TOKENS = 8192  # small KV, so a handful of long requests fills a visible part of it
@@ -102,3 +108,61 @@ def test_dashboard_in_chromium_lists_workers_and_shows_kv_under_load(procs, tmp_
             browser.close()
     finally:
         fleet.close()
+
+
+class DashboardOnly:
+    """Just the dashboard's routes over a registry of `count` workers, served from a thread: the page at scale
+    without 1000 worker processes (nor the health probes a real proxy would send to 1000 silent workers)."""
+
+    def __init__(self, count: int) -> None:
+        self.port = free_port()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=asyncio.run, args=(self._serve(count),), daemon=True)
+        self.stop: asyncio.Event | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def _serve(self, count: int) -> None:
+        registry = Registry()
+        for i in range(count):
+            registry.register(WorkerRegistration(worker_id=f"w-{i:04d}", url=f"http://10.1.{i // 250}.{i % 250}:8000",
+                                                 models=[f"model-{i % 4}"], engine="vllm"))
+        app = web.Application()
+        dashboard.add_routes(app, registry, ProxyMetrics(registry), dict)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", self.port).start()
+        self.loop, self.stop = asyncio.get_running_loop(), asyncio.Event()
+        self.ready.set()
+        await self.stop.wait()
+        await runner.cleanup()
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        assert self.ready.wait(30)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(10)
+
+
+def test_dashboard_stays_usable_at_a_thousand_workers(procs, tmp_path):
+    with DashboardOnly(1000) as url:
+        browser = Browser(procs, tmp_path / "chromium-profile")
+        try:
+            browser.open(url + "/dashboard")
+            rows = "document.querySelectorAll('tr[data-worker-id]').length"
+            wait_until(lambda: browser.evaluate(rows) == 200, 30, 0.2, "four groups of 50 rows")
+            assert browser.evaluate("document.querySelectorAll('details.group').length") == 4
+            assert "(1000 shown of 1000)" in browser.evaluate("document.getElementById('worker-count').textContent")
+            assert "page 1 of 5" in browser.evaluate("document.querySelector('details.group .pager').textContent")
+            browser.evaluate("document.querySelector('details.group button[data-step=\"1\"]').click()")
+            first = "document.querySelector('details.group tr[data-worker-id]').dataset.workerId"
+            wait_until(lambda: browser.evaluate(first) == "w-0200", 10, 0.1, "the second page")  # 50 x model-0 later
+            browser.evaluate("(e => { e.value = 'w-0999'; e.dispatchEvent(new Event('input')); })"
+                             "(document.getElementById('filter'))")
+            assert browser.evaluate(rows) == 1
+            browser.pump()
+            assert browser.console_errors == []
+        finally:
+            browser.close()
