@@ -102,6 +102,18 @@ def test_dashboard_in_chromium_lists_workers_and_shows_kv_under_load(procs, tmp_
             if os.environ.get("KVROUTE_UPDATE_DOCS") == "1":
                 shutil.copyfile(shot, REPO / "docs" / "dashboard.png")
 
+            # Admin actions only with a token the control plane takes (this proxy, on loopback with no
+            # admin token configured, takes any); drain goes through POST /workers/{id}/drain.
+            visible_drains = "[...document.querySelectorAll('button[data-drain]')].filter(b => b.offsetParent).length"
+            assert browser.evaluate(visible_drains) == 0
+            browser.evaluate("window.confirm = () => true; useToken('any-token')")
+            wait_until(lambda: browser.evaluate(visible_drains) == len(ids), 10, 0.1, "drain buttons with the token")
+            browser.evaluate("document.querySelector('button[data-drain=\"sim-2\"]').click()")
+            wait_until(lambda: browser.evaluate(
+                "document.querySelector('tr[data-worker-id=\"sim-2\"]').dataset.state") == "draining",
+                10, 0.1, "sim-2 to show as draining")
+            assert fleet.worker("sim-2")["state"] == "draining"
+
             browser.pump()
             assert browser.console_errors == []
         finally:
