@@ -1,0 +1,216 @@
+"""One completion request's journey: identity, parse, model, decision, forward, retry, record.
+
+Owns the retry loop (connect error / 5xx / 429 / broken body before the first byte -> another
+worker, at most `retries` times), per-request metrics and the answer when every worker failed.
+The decision is dispatch.py's (pick, begin, end); bytes and deadlines are exchange.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from proxy.dataplane import http
+from proxy.dataplane.exchange import STREAM, WHOLE, Exchange, Relayed, Retryable
+from proxy.dataplane.identity import VIA_HEADER, refuse_loop, request_id, via_chain
+from proxy.dataplane.pool import UpstreamPool
+from proxy.dispatch import MAX_MODEL_LABELS, Dispatcher
+from proxy.errors import ProxyError
+from proxy.metrics import ProxyMetrics
+from proxy.registry import Registry, Worker
+from proxy.request import RoutedRequest, parse_request
+from proxy.retry_policy import Action, Attempt, Failure, Verdict, classify
+from proxy.security.limits import check_request
+
+if TYPE_CHECKING:
+    from proxy.dataplane.server import ClientConnection, IncomingRequest
+
+log = logging.getLogger("kvroute.dispatch")
+
+# Bodies larger than this are parsed in a worker thread: validating a 32 MB prompt of token ids is
+# a second of Python that would otherwise stall every other request on the loop.
+PARSE_IN_THREAD_BYTES = 1024 * 1024
+
+class Journey:
+    """Serves /v1/chat/completions and /v1/completions for the data plane."""
+
+    def __init__(self, dispatcher: Dispatcher, registry: Registry, metrics: ProxyMetrics, pool: UpstreamPool,
+                 instance_id: str) -> None:
+        self.dispatcher = dispatcher
+        self.registry = registry
+        self.metrics = metrics
+        self.pool = pool
+        self.instance_id = instance_id
+        self._model_labels: set[str] = set()
+
+    async def serve(self, client: ClientConnection, req: IncomingRequest) -> None:
+        """Answer `req` on `client`, whatever happens; the client's next request waits until then."""
+        rid = request_id(req.header(b"x-request-id"))
+        model_label = "unknown"
+        answered = False
+        try:
+            if req.refusal is not None:
+                raise req.refusal
+            # Client authentication (proxy/security/clientauth.py): the server already ran it on the head,
+            # before reading the body; here is its principal.
+            principal = req.principal or self.dispatcher.client_auth.authenticate(req.header(b"authorization"))
+            refuse_loop(req.header(VIA_HEADER), self.instance_id)
+            body = req.body()
+            session = req.header(b"x-session-id")
+            session_key = session.decode("latin-1") if session is not None else None
+            if len(body) > PARSE_IN_THREAD_BYTES:
+                routed = await asyncio.to_thread(parse_request, body, req.kind, session_key)
+            else:
+                routed = parse_request(body, req.kind, session_key)
+            model_label = self._label_for_requested_model(routed.model)
+            served = self.dispatcher.resolve_model(routed.model)
+            model_label = served
+            check_request(routed, self.dispatcher.config, served)
+            await self.dispatcher.client_auth.admit(principal, served, routed.expected_kv_tokens)
+            answered = True
+            await self._route(client, req, routed, served, rid)
+        except ProxyError as exc:
+            self.metrics.rejections.labels(model_label, exc.code or str(exc.status)).inc()
+            self.metrics.requests.labels(model_label, "", str(exc.status)).inc()
+            client.write(http.error_response(exc, {"x-request-id": rid}, client.keep_alive))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("unhandled error serving %s", req.url.decode("latin-1"))
+            if answered:  # part of an answer may be out: the connection cannot carry another
+                client.abort()
+                return
+            client.write(http.error_response(
+                ProxyError(500, "The proxy failed to handle this request.", "server_error", code="internal_error"),
+                {"x-request-id": rid}, client.keep_alive))
+        client.response_done()
+
+    def _label_for_requested_model(self, name: str) -> str:
+        """`name` as a metrics label while few distinct names were seen, then "other": each label
+        value lives in /metrics for good, and clients choose these names."""
+        if name in self._model_labels:
+            return name
+        if len(self._model_labels) < MAX_MODEL_LABELS:
+            self._model_labels.add(name)
+            return name
+        return "other"
+
+    # --- pick -> forward -> retry -----------------------------------------------------------
+    async def _route(self, client: ClientConnection, req: IncomingRequest, routed: RoutedRequest, served: str,
+                     rid: str) -> None:
+        dispatcher = self.dispatcher
+        metrics = self.metrics
+        retries = dispatcher.proxy_config.retries
+        policy = dispatcher.policies.for_model(served)
+        body = routed.body_for_model(served)
+        # Everything of the upstream head but the request line, Host and the worker's own key.
+        common = b"".join((
+            http.filtered(req.headers, http.HOP_BY_HOP,
+                          http.connection_named(req.headers) | http.CLIENT_CREDENTIALS | http.TO_WORKER_REPLACED),
+            b"x-request-id: ", rid.encode(), b"\r\nx-kvroute-via: ",
+            via_chain(req.header(VIA_HEADER), self.instance_id),
+            b"\r\nContent-Length: %d\r\n" % len(body)))
+        mode = STREAM if routed.stream else WHOLE
+        tried: set[str] = set()
+        statuses: list[int] = []
+        last_failure: Retryable | None = None
+        last_worker: Worker | None = None
+        for attempt in range(retries + 1):
+            decision = await dispatcher.pick(policy, routed, served, tried, first_attempt=attempt == 0)
+            if decision is None:
+                break
+            worker = decision.worker
+            tried.add(worker.worker_id)
+            metrics.decisions.labels(policy.name, worker.worker_id, decision.reason).inc()
+            endpoint = self.pool.endpoint(worker.url)
+            api_key = getattr(worker, "api_key", None)
+            head = b"".join((b"POST ", endpoint.base_path, req.url, b" HTTP/1.1\r\nHost: ", endpoint.host_header,
+                             b"\r\n", common,
+                             b"Authorization: Bearer %s\r\n" % api_key.encode() if api_key else b"", b"\r\n"))
+            extra = b"x-kvroute-worker: %s\r\nx-request-id: %s\r\n" % (worker.worker_id.encode(), rid.encode())
+            exchange = Exchange(client, mode, extra, dispatcher.proxy_config.timeouts)
+            ticket = dispatcher.begin(decision, policy, routed)
+            outcome: Retryable | Relayed | None = None
+            try:
+                outcome = await exchange.send(self.pool, endpoint, head + body)
+            except asyncio.CancelledError:  # the client went away
+                metrics.requests.labels(served, worker.worker_id, "client_closed").inc()
+                raise
+            finally:
+                # Every path (success, worker failure, client disconnect/cancel) lands here exactly once.
+                dispatcher.end(ticket, outcome.first_byte_at if isinstance(outcome, Relayed) else None)
+            if isinstance(outcome, Retryable):
+                last_failure, last_worker = outcome, worker
+                verdict = classify(_attempt(outcome), attempt + 1, retries + 1, statuses)
+                if outcome.status is not None:
+                    statuses.append(outcome.status)
+                if verdict.counts_against_worker and self.registry.record_failure(worker, outcome.detail):
+                    log.warning("circuit opened for %s after: %s", worker.worker_id, outcome.detail)
+                log.info("request %s: worker %s failed before the first byte (%s): %s", rid, worker.worker_id,
+                         outcome.detail, verdict.action.value)
+                if verdict.action is Action.RETRY:
+                    metrics.retries.labels(served, verdict.reason).inc()
+                    if verdict.delay_s:
+                        await asyncio.sleep(verdict.delay_s)
+                    continue
+                self._answer_failure(client, served, verdict, outcome, worker, rid)
+                return
+            self._record(served, worker, outcome, req.started)
+            return
+        self._exhausted(client, served, last_failure, last_worker, rid)
+
+    def _record(self, served: str, worker: Worker, outcome: Relayed, started: float) -> None:
+        metrics = self.metrics
+        if outcome.worker_failed:
+            self.registry.record_failure(worker, "stream broke after the first byte")
+            metrics.stream_failures.labels(served, worker.worker_id).inc()
+            status = "stream_error"
+        elif outcome.client_gone:
+            status = "client_closed"
+        else:
+            self.registry.record_success(worker)
+            status = str(outcome.status)
+        metrics.requests.labels(served, worker.worker_id, status).inc()
+        metrics.latency.labels(served).observe(time.monotonic() - started)
+        if outcome.first_byte_at is not None:
+            metrics.ttft.labels(served).observe(outcome.first_byte_at - started)
+
+    def _answer_failure(self, client: ClientConnection, served: str, verdict: Verdict, failure: Retryable,
+                        worker: Worker, rid: str) -> None:
+        """A failed attempt that retry_policy says goes back to the client (not retried)."""
+        if verdict.action in (Action.PASS_THROUGH, Action.UNAVAILABLE):
+            self._exhausted(client, served, failure, worker, rid)
+            return
+        status = verdict.status or 502
+        self.metrics.requests.labels(served, worker.worker_id, str(status)).inc()
+        err_type = "invalid_request_error" if status < 500 else "server_error"
+        exc = ProxyError(status, verdict.message or failure.detail, err_type, code=verdict.code)
+        client.write(http.error_response(exc, {"x-request-id": rid, "x-kvroute-worker": worker.worker_id},
+                                         client.keep_alive))
+
+    def _exhausted(self, client: ClientConnection, served: str, failure: Retryable | None, worker: Worker | None,
+                   rid: str) -> None:
+        if failure is not None and worker is not None and failure.status is not None and failure.body is not None:
+            # Every worker tried answered with an error: pass the last answer on, as the engine wrote it.
+            self.metrics.requests.labels(served, worker.worker_id, str(failure.status)).inc()
+            content_type = (failure.content_type or "application/json").encode("latin-1")
+            client.write(http.plain_response(failure.status, failure.body, content_type,
+                                             [(b"x-kvroute-worker", worker.worker_id.encode()),
+                                              (b"x-request-id", rid.encode())], client.keep_alive))
+            return
+        detail = f" (last error: {failure.detail})" if failure else ""
+        raise ProxyError(503, f"No healthy worker could serve model `{served}`{detail}.", "service_unavailable",
+                         code="no_healthy_worker", headers={"Retry-After": "1"})
+
+
+def _attempt(failure: Retryable) -> Attempt:
+    """A failed exchange in retry_policy's terms (as dispatch.attempt_of for the aiohttp path)."""
+    if failure.status is not None:
+        return Attempt(status=failure.status, body=failure.body, accepted=True, retry_after=failure.retry_after)
+    if failure.reason == "connect_error":
+        return Attempt(failure=Failure.CONNECT)
+    if failure.reason in ("first_byte_timeout", "idle_timeout", "total_timeout"):
+        return Attempt(failure=Failure.TIMEOUT, accepted=True)
+    return Attempt(failure=Failure.BROKEN, accepted=True)
