@@ -49,9 +49,10 @@ def test_a_burst_of_100_spreads_by_projected_usage_not_onto_the_emptiest_looking
     responses = asyncio.run(burst())
     assert [r.status_code for r in responses] == [200] * 100
     served = Counter(r.headers["x-kvroute-worker"] for r in responses)
-    # 'low' had 0.2 more room (~4000 tokens, ~18 requests of ~210 expected tokens) so it takes
-    # more, but far from all: the rest alternate as projected usage evens out.
-    assert served["low"] > served["high"] >= 25, served
+    # 'low' had 0.2 more room (~4000 tokens, ~18 requests of ~210 expected tokens), but neither is
+    # near full, so both start these short prompts as soon (kv_cost's predicted times are equal and
+    # only the tie goes to the roomier one): never fewer on 'low', and far from all on it either.
+    assert served["low"] >= served["high"] >= 25, served
 
 
 LONG_SYSTEM_PROMPT = ("You are the support assistant of a bicycle shop. Answer briefly, cite the manual "
