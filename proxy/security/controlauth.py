@@ -96,6 +96,7 @@ class Caller:
     trusted_network: bool     # from proxy.trusted_worker_networks
     anonymous_register: bool  # loopback while no worker token is configured
     secrets: tuple[bytes, ...]  # tokens that may be a worker's own secret
+    digests: tuple[str, ...] = ()  # their secret_hash values, computed once
 
     @property
     def may_register(self) -> bool:
@@ -109,8 +110,7 @@ class Caller:
         """Whether this caller presented the secret of the worker whose hash is given."""
         if not worker_secret_hash:
             return False
-        expected = worker_secret_hash.encode()
-        return any(hmac.compare_digest(hashlib.sha256(s).hexdigest().encode(), expected) for s in self.secrets)
+        return any(hmac.compare_digest(d, worker_secret_hash) for d in self.digests)
 
 
 class ControlAuth:
@@ -132,7 +132,8 @@ class ControlAuth:
         return Caller(host=host, loopback=loopback, admin=admin, worker_token=_same(token, self.worker_token),
                       trusted_network=bool(self.trusted) and address_in(host, self.trusted),
                       anonymous_register=self.worker_token is None and (loopback or self.open),
-                      secrets=tuple(s for s in (token, extra_raw) if s))
+                      secrets=(given := tuple(s for s in (token, extra_raw) if s)),
+                      digests=tuple(secret_hash(s) for s in given))
 
     def denied(self, caller: Caller, what: str, worker_secret_hashes: Iterable[str | None] = ()) -> web.Response:
         """401 without a usable credential, 403 with one that does not reach `what` (the worker token, a
@@ -144,7 +145,7 @@ class ControlAuth:
             return error_response(403, f"{what} answers only callers on this machine while no admin token is "
                                        "configured (proxy.admin_token).", "permission_error",
                                   code="control_plane_closed")
-        known = caller.has_credential and (self._known(caller) or any(caller.owns(h) for h in worker_secret_hashes))
+        known = caller.has_credential and (self._known(caller) or bool(set(caller.digests) & set(worker_secret_hashes)))
         if caller.worker_token or caller.trusted_network or known:
             return error_response(403, f"This credential does not allow {what}.", "permission_error",
                                   code="forbidden")

@@ -287,8 +287,11 @@ async def test_without_a_worker_token_loopback_registers_anonymously_and_still_g
 # --- LMDeploy's /nodes/add ------------------------------------------------------------------------------
 
 async def test_lmdeploy_registers_from_a_trusted_network_or_with_the_token_in_its_proxy_url(make_proxy):
+    async def list_models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m1"}]})
+
     models = web.Application()
-    models.router.add_get("/v1/models", lambda r: web.json_response({"data": [{"id": "m1"}]}))
+    models.router.add_get("/v1/models", list_models)
     server = TestServer(models, host="127.0.0.1")
     await server.start_server()
     try:
@@ -498,3 +501,39 @@ def test_kvroute_up_off_loopback_generates_a_private_token_that_status_finds(pro
     other = subprocess.run([*KVROUTE, "status", "--proxy", f"http://127.0.0.1:{port}"], capture_output=True,
                            text=True, timeout=60, env={**run_env, "KVROUTE_CONFIG_DIR": str(tmp_path / "none")})
     assert other.returncode == 1 and "admin token" in other.stderr
+
+
+# --- a real worker process ------------------------------------------------------------------------------
+
+def test_a_sim_worker_registers_with_the_worker_token_then_reports_and_leaves_with_its_own_secret(fleet, procs):
+    import httpx
+
+    fleet.start_proxy(config=TOKENS)
+    port = free_port()
+    sim = procs.kvroute("worker", "--engine", "sim", "--port", str(port), "--served-model-name", "m1",
+                        "--time-scale", "20", "--proxy-url", fleet.url, "--worker-id", "sim-a", name="sim-a",
+                        env={"KVROUTE_WORKER_TOKEN": WORKER_TOKEN})
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+
+    def reporting() -> dict | None:
+        w = httpx.get(f"{fleet.url}/workers/sim-a", headers=admin, timeout=5).json()
+        return w if w.get("state") == "ready" and (w.get("last_report") or {}).get("seq", 0) >= 3 else None
+
+    wait_until(reporting, 30, 0.1, "sim-a to register and report with its secret")
+    assert "report rejected" not in sim.log()
+    sim.stop()  # SIGTERM: drain, then DELETE /workers/sim-a with its secret
+    assert httpx.get(f"{fleet.url}/workers/sim-a", headers=admin, timeout=5).status_code == 404
+
+
+def test_the_worker_gives_its_engine_a_key_of_its_own_and_keeps_one_the_operator_gave():
+    from backends.worker import engine_api_key
+
+    key, args, env = engine_api_key("vllm", ["--max-num-seqs", "8"], {})
+    assert args == [] and env == {"VLLM_API_KEY": key} and len(key) >= 24  # env: not visible in `ps`
+    other, _, _ = engine_api_key("vllm", [], {})
+    assert other != key
+    key, args, env = engine_api_key("turbomind", [], {})
+    assert args == ["--api-keys", key] and env == {}
+    assert engine_api_key("vllm", ["--api-key", "mine"], {}) == ("mine", [], {})
+    assert engine_api_key("vllm", [], {"VLLM_API_KEY": "env-key"}) == ("env-key", [], {})
+    assert engine_api_key("turbomind", ["--api-keys=given"], {})[0] == "given"
