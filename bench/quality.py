@@ -64,7 +64,9 @@ def engine_deltas(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> 
 
     queries, hits = sum(d("prefix_cache_queries")), sum(d("prefix_cache_hits"))
     return {"prefix_hit": hits / queries if queries else None, "prefill_tokens": int(queries - hits),
-            "preemptions": int(sum(d("num_preemptions"))), "per_worker": [int(x) for x in d("num_finished")]}
+            "preemptions": int(sum(d("num_preemptions"))), "per_worker": [int(x) for x in d("num_finished")],
+            # simulated time the engines fell behind the wall clock (CPU starvation of the sims): should be ~0
+            "engine_lag_s": max(d("lag_sim_s"), default=0.0)}
 
 
 def run_load(target: Any, specs: list, load: str, concurrency: int) -> RunResult:
@@ -88,6 +90,7 @@ def run_cell(args: argparse.Namespace, w: Workload, route: str, load: str, rate_
             run = run_load(target, specs, load, args.closed_clients * args.workers)
             router_cpu = (router.tree.cpu_seconds() - cpu0) / run.wall_s if router else None
             after = fleet.sim_states()
+            oracle_stats = _oracle_stats(router.url) if kind == "oracle" and router else None
         finally:
             if router:
                 router.stop()
@@ -99,17 +102,37 @@ def run_cell(args: argparse.Namespace, w: Workload, route: str, load: str, rate_
     row = summarize(run, ttft_slo_s=args.ttft_slo)
     row.pop("per_worker", None)  # the client's view; the engines' own count is below
     done = [r.sent_at * ts + r.latency_s for r in run.results if r.ok]
-    row.update(engine_deltas(before, after), route=route, load=load, router_cpu=router_cpu,
+    row.update(engine_deltas(before, after), route=route, load=load, router_cpu=router_cpu, oracle=oracle_stats,
                makespan_s=max(done) if done else None,
                ttfts=[r.ttft_s for r in run.results if r.ok and r.ttft_s is not None])
     return row
 
 
-def calibrate(args: argparse.Namespace, w: Workload, log_dir: Path) -> float:
-    """Fleet capacity for this family in requests per wall second: steady-state throughput (completions between
-    the 20th and 80th percentile finish times) of a closed loop through `--calibrate-route` (the oracle by
-    default, so that offered loads are fractions of what the best-informed routing sustains)."""
-    kind, _, policy = args.calibrate_route.partition(":")
+def _oracle_stats(url: str) -> dict[str, Any] | None:
+    from bench.peers import _get
+
+    status, body = _get(url + "/oracle/stats", 5.0)
+    return json.loads(body) if status == 200 else None
+
+
+def calibrate(args: argparse.Namespace, w: Workload, log_dir: Path) -> tuple[float, dict[str, float]]:
+    """Fleet capacity for this family in requests per wall second: the highest steady-state throughput
+    (completions between the 20th and 80th percentile finish times) of a closed loop through each of
+    `--calibrate-routes`, so offered loads are fractions of what the best of them sustains, not of what
+    a weak router manages. Returns (capacity, per route)."""
+    per_route: dict[str, float] = {}
+    for route in [r for r in args.calibrate_routes.split(",") if r]:
+        try:
+            per_route[route] = _calibrate_one(args, w, route, log_dir / route.replace(":", "-"))
+        except Exception as exc:  # a route that cannot run is reported with its cells; the others still count
+            print(f"[quality] calibration through {route} failed: {exc}", flush=True)
+    if not per_route:
+        raise RuntimeError("no calibration route succeeded")
+    return max(per_route.values()), per_route
+
+
+def _calibrate_one(args: argparse.Namespace, w: Workload, route: str, log_dir: Path) -> float:
+    kind, _, policy = route.partition(":")
     with Fleet(log_dir, fleet_specs(w, args.workers, args.time_scale, args.preset, args.kv_tokens)) as fleet:
         router = None if kind == "direct" else start_router(kind, policy, fleet)
         try:
@@ -129,7 +152,7 @@ def calibrate(args: argparse.Namespace, w: Workload, log_dir: Path) -> float:
 
 # ---- aggregation and rendering (from the JSON alone) ------------------------------------------------
 METRICS = ("req_per_s", "makespan_s", "ttft_p50", "ttft_p99", "goodput_frac", "rejected_429", "rejected_503",
-           "failed", "prefix_hit", "prefill_tokens", "preemptions")
+           "failed", "prefix_hit", "prefill_tokens", "preemptions", "engine_lag_s", "router_cpu")
 
 
 def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -217,10 +240,12 @@ def render(data: dict[str, Any]) -> str:
                f"the family sets it. {meta['requests']} requests per cell, {meta['repeats']} repeats; figures are "
                f"the mean with (min-max) over repeats. Closed loop: {meta['closed_clients']} clients per worker, "
                f"the figure of merit is the makespan. Open loop: Poisson (or bursty) arrivals at the given fraction "
-               f"of capacity = steady-state closed-loop throughput through `{meta['calibrate_route']}`. "
+               f"of capacity = the best steady-state closed-loop throughput among `{meta['calibrate_routes']}`. "
                f"Goodput = share of all requests (refused ones included) with TTFT <= {meta['ttft_slo']:g} s. "
                f"Prefix hit, prefilled tokens, preemptions and requests per worker are the engines' own counters "
-               f"(/sim/state deltas). kvroute's default policy: `{meta['default_policy']}`.\n")
+               f"(/sim/state deltas). Router CPU = share of one core; engine lag = simulated seconds the busiest sim fell "
+               f"behind the wall clock (CPU starvation; should be ~0). kvroute's default policy: "
+               f"`{meta['default_policy']}`.\n")
     v = verdicts(aggs)
     if v:
         out.append("## kvroute default vs issue 9's bar (best peer; oracle)\n")
@@ -230,7 +255,8 @@ def render(data: dict[str, Any]) -> str:
         fam = meta["families"].get(family, {})
         out.append(f"## ({FAMILIES[family][0]}) {family}: {FAMILIES[family][1]}\n")
         out.append(f"KV per worker {fam.get('kv_tokens')} tokens; shared prefixes {fam.get('shared_prefix_tokens')} "
-                   f"tokens; capacity {fmt(fam.get('capacity'), ' req/s', 2)} (simulated).\n")
+                   f"tokens; capacity {fmt(fam.get('capacity'), ' req/s', 2)} (simulated; by calibration route: "
+                   f"{', '.join(f'{r} {c:.2f}' for r, c in fam.get('capacity_by_route', {}).items()) or '-'}).\n")
         rows = []
         cell = sorted((a for a in aggs if a["family"] == family),
                       key=lambda a: (a["load"] != "closed", a["load"], a["route"]))
@@ -240,10 +266,11 @@ def render(data: dict[str, Any]) -> str:
                          _cell(a, "ttft_p50", 1000), _cell(a, "ttft_p99", 1000), _cell(a, "goodput_frac", 100, 0, "%"),
                          f"{_cell(a, 'rejected_429')}/{_cell(a, 'rejected_503')}", _cell(a, "failed"),
                          _cell(a, "prefix_hit", 100, 0, "%"), _cell(a, "prefill_tokens", 1e-3, 0, "k"),
-                         _cell(a, "preemptions"), "/".join(str(x) for x in a["per_worker"])])
+                         _cell(a, "preemptions"), "/".join(str(x) for x in a["per_worker"]),
+                         _cell(a, "router_cpu", 100, 0, "%"), _cell(a, "engine_lag_s", digits=2)])
         out.append(md_table(["load", "route", "reps", "makespan s (closed) / req/s (open)", "TTFT p50 ms",
                              "TTFT p99 ms", "goodput", "429/503", "failed", "prefix hit", "prefilled",
-                             "preempt", "requests per worker"], rows))
+                             "preempt", "requests per worker", "router CPU", "engine lag s"], rows))
         out.append("")
         for failure in data.get("failed_cells", []):
             if failure.startswith(family + " "):
@@ -252,6 +279,42 @@ def render(data: dict[str, Any]) -> str:
             out.append(f"![{png}]({png})")
         out.append("")
     return "\n".join(out)
+
+
+def headline(data: dict[str, Any]) -> str:
+    """The README Performance snippet: per family and load, kvroute's default next to the best peer and the
+    oracle (means over repeats), then the verdicts. Generated from the JSON only."""
+    aggs = aggregate(data["rows"])
+    meta = data["meta"]
+    rows = []
+    for family in [f for f in KINDS if any(a["family"] == f for a in aggs)]:
+        for load in sorted({a["load"] for a in aggs if a["family"] == family}, key=lambda x: (x != "closed", x)):
+            cell = [a for a in aggs if a["family"] == family and a["load"] == load]
+            mine = next((a for a in cell if a["route"] == "kvroute:default"), None)
+            peers = [a for a in cell if a["route"].split(":")[0] in PEERS]
+            best = max(peers, key=lambda a: (_mean(a, "goodput_frac") or 0, -(_mean(a, "ttft_p99") or 1e9)),
+                       default=None)
+            oracle = next((a for a in cell if a["route"] == "oracle"), None)
+            merit = "makespan_s" if load == "closed" else "req_per_s"
+
+            def brief(a: dict[str, Any] | None, merit: str = merit) -> list[str]:
+                if a is None:
+                    return ["-"] * 4
+                return [_cell(a, merit, digits=1 if merit == "makespan_s" else 2), _cell(a, "ttft_p99", 1000),
+                        _cell(a, "goodput_frac", 100, 0, "%"), _cell(a, "prefix_hit", 100, 0, "%")]
+            rows.append([family, _load_name(load), *brief(mine), best["route"] if best else "-", *brief(best),
+                         *brief(oracle)[:2]])
+    head = ["family", "load", "kvroute makespan s / req/s", "p99 ms", "goodput", "hit",
+            "best peer (goodput)", "peer makespan s / req/s", "p99 ms", "goodput", "hit", "oracle makespan s / req/s",
+            "oracle p99 ms"]
+    text = [f"Routing quality matrix{' (QUICK RUN: NOT MEANINGFUL)' if meta['quick'] else ''}: {meta['environment']}. "
+            f"`{meta['command']}`; {meta['requests']} requests per cell, {meta['repeats']} repeats (mean, "
+            f"min-max), fresh fleet of {meta['workers']} `{meta['preset']}` sims per cell at time scale "
+            f"{meta['time_scale']}; kvroute default = `{meta['default_policy']}`; TTFT in simulated ms; goodput = "
+            f"TTFT <= {meta['ttft_slo']:g} s; hit = engines' prefix-cache hit rate.\n",
+            md_table(head, rows), "", "Against issue 9's bar:\n", md_table(["family", "load", "verdict"],
+                                                                            verdicts(aggs))]
+    return "\n".join(text)
 
 
 # ---- command line --------------------------------------------------------------------------------
@@ -271,13 +334,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-tokens", type=int, default=None, help="override the family's KV cap per worker")
     p.add_argument("--closed-clients", type=int, default=CLOSED_CLIENTS_PER_WORKER, help="closed-loop clients per worker")
     p.add_argument("--ttft-slo", type=float, default=TTFT_SLO_S, help="goodput threshold, simulated seconds")
-    p.add_argument("--calibrate-route", default="oracle")
+    p.add_argument("--calibrate-routes", default="oracle,kvroute:default,sglang-router:cache_aware",
+                   help="capacity = the best closed-loop throughput among these routes")
     p.add_argument("--calibrate-requests", type=int, default=800)
     p.add_argument("--calibrate-seconds", type=float, default=90.0, help="wall-time cap of the calibration")
     p.add_argument("--out-dir", type=Path, default=None,
                    help="default bench/results/, or bench/.runs/quick-results/ for a quick run")
     p.add_argument("--name", default="quality-matrix")
     p.add_argument("--render", type=Path, default=None, help="only regenerate the markdown from this JSON file")
+    p.add_argument("--headline", type=Path, default=None,
+                   help="only print the README Performance snippet from this JSON file")
 
 
 def is_quick(requests: int, repeats: int) -> bool:
@@ -286,6 +352,9 @@ def is_quick(requests: int, repeats: int) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.headline:
+        print(headline(json.loads(args.headline.read_text())))
+        return 0
     if args.render:
         data = json.loads(args.render.read_text())
         args.render.with_suffix(".md").write_text(render(data))
@@ -306,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
         "quick": quick, "environment": environment_note(), "command": "kvroute bench quality " +
         shlex.join(sys.argv[sys.argv.index("quality") + 1:] if "quality" in sys.argv else sys.argv[1:]),
         "workers": args.workers, "preset": args.preset, "time_scale": args.time_scale, "requests": args.requests,
-        "repeats": args.repeats, "closed_clients": args.closed_clients, "calibrate_route": args.calibrate_route,
+        "repeats": args.repeats, "closed_clients": args.closed_clients, "calibrate_routes": args.calibrate_routes,
         "ttft_slo": args.ttft_slo, "default_policy": default_policy(), "families": {}, "took_s": 0.0},
         "rows": [], "failed_cells": []}
     log_dir = Path(__file__).resolve().parent / ".runs" / f"quality-{int(time.time())}"
@@ -320,8 +389,9 @@ def run(args: argparse.Namespace) -> int:
         data["meta"]["families"][family] = fam
         capacity_wall = None
         if any(x != "closed" for x in loads):
-            capacity_wall = calibrate(args, w, log_dir / family / "calibrate")
+            capacity_wall, per_route = calibrate(args, w, log_dir / family / "calibrate")
             fam["capacity"] = capacity_wall / args.time_scale
+            fam["capacity_by_route"] = {r: c / args.time_scale for r, c in per_route.items()}
             print(f"[quality] {family}: capacity {fam['capacity']:.2f} req/s (simulated)", flush=True)
         ttfts: dict[tuple[str, str], list[float]] = {}
         for rep in range(args.repeats):  # repeats outermost: drift on the machine spreads over every route
@@ -343,11 +413,14 @@ def run(args: argparse.Namespace) -> int:
                     row.update(family=family, repeat=rep, label=route_label(route))
                     data["rows"].append(row)
                     eta = (time.time() - t_start) / done_cells * (total - done_cells)
-                    print(f"[quality]   {family} {load} {route} #{rep}: ok={row['ok']} 429/503={row['rejected_429']}/"
+                    extra = "" if not row.get("oracle") else \
+                        f" oracle decision p50/p99={ms(row['oracle']['p50_s'], digits=0)}/{ms(row['oracle']['p99_s'], digits=0)} ms (wall)"
+                    print(f"[quality]   {family} {load} {route} #{rep}:{extra} ok={row['ok']} 429/503={row['rejected_429']}/"
                           f"{row['rejected_503']} fail={row['failed']} ttft p50/p99={ms(row['ttft_p50'], digits=0)}/"
                           f"{ms(row['ttft_p99'], digits=0)} ms goodput={100 * row['goodput_frac']:.0f}% "
                           f"hit={fmt(row['prefix_hit'], digits=2)} preempt={row['preemptions']} "
-                          f"per worker={row['per_worker']} ({time.time() - t0:.0f} s; ETA {eta / 60:.0f} min)",
+                          f"per worker={row['per_worker']} lag={row['engine_lag_s']:.2f}s "
+                          f"({time.time() - t0:.0f} s; ETA {eta / 60:.0f} min)",
                           flush=True)
                     data["meta"]["took_s"] = time.time() - t_start
                     write_all(data, args.name, out_dir)  # a cut-short run keeps what it has

@@ -26,8 +26,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from backends.reporter import Load, ProxyReporter
+from backends.address import advertise_url
+from backends.reporter import Load, ProxyReporter, parse_proxy_urls
 from backends.sim.engine import SimEngine
+from backends.sim.kvcache import block_hashes
 from backends.sim.metrics import CONTENT_TYPE, SimMetrics
 from backends.sim.openai_api import (
     ApiError,
@@ -140,16 +142,30 @@ class SimServer:
         }
 
     async def probe(self, request: web.Request) -> web.Response:
-        """What this engine holds for a request body, read-only: its tokens, the cached prefix, and the queues
-        ahead of it (bench/oracle.py's zero-delay view of the true state; not part of vLLM's API)."""
+        """What this engine holds for a prompt, read-only: the cached prefix and the queues ahead of it
+        (bench/oracle.py's zero-delay view of the true state; not part of vLLM's API). The body is
+        {"token_ids": [...], "media_spans": [[start, length], ...]} (the oracle tokenizes once, with
+        backends.sim.tokens) or an OpenAI request body."""
         try:
             body = orjson.loads(await request.read())
-            prompt = chat_prompt(body["messages"]) if "messages" in body else completion_prompt(body.get("prompt", ""))
+            if "token_ids" in body:
+                token_ids, spans = body["token_ids"], [tuple(x) for x in body.get("media_spans", [])]
+            else:
+                prompt = chat_prompt(body["messages"]) if "messages" in body else completion_prompt(body.get("prompt", ""))
+                token_ids, spans = prompt.token_ids, prompt.media_spans
         except (orjson.JSONDecodeError, ValueError, TypeError, AttributeError, KeyError) as exc:
             return _error(400, f"cannot probe: {exc}", "BadRequestError")
         sched, kv = self.engine.scheduler, self.engine.kv
-        cached = len(kv.find_cached_prefix(prompt.token_ids)) * kv.block_size
-        media_uncached = sum(max(0, s + n - max(s, cached)) for s, n in prompt.media_spans)
+        hashes = block_hashes(token_ids, kv.block_size, max(0, len(token_ids) - 1) // kv.block_size)
+        cached = len(kv.find_cached_prefix(token_ids, hashes)) * kv.block_size
+        media_uncached = sum(max(0, s + n - max(s, cached)) for s, n in spans)
+        # blocks that queued or running requests will have cached once computed (same prefix, not yet hashed)
+        pending = 0
+        for r in (*sched.waiting, *sched.running):
+            theirs = r.full_block_hashes(kv.block_size)
+            if theirs and hashes and theirs[0] == hashes[0]:
+                n = next((i for i, (a, b) in enumerate(zip(hashes, theirs, strict=False)) if a != b), min(len(hashes), len(theirs)))
+                pending = max(pending, n * kv.block_size)
         waiting = []
         for r in list(sched.waiting)[:256]:
             hit = len(kv.find_cached_prefix(r.token_ids, r.full_block_hashes(kv.block_size))) * kv.block_size
@@ -157,11 +173,11 @@ class SimServer:
         running = [[r.num_tokens - r.num_computed_tokens, r.max_tokens - r.num_output_tokens,
                     len(kv.blocks_of(r.request_id)), r.num_tokens] for r in sched.running]
         return _json({"model": self.model, "preset": self.preset.name, "time_scale": self.engine.time_scale,
-                      "prompt_tokens": len(prompt.token_ids), "cached_tokens": cached,
+                      "prompt_tokens": len(token_ids), "cached_tokens": cached, "pending_prefix_tokens": pending,
                       "media_tokens_uncached": media_uncached, "block_size": kv.block_size,
                       "num_blocks": kv.num_blocks, "free_blocks": kv.num_free_blocks,
+                      "free_empty_blocks": kv.num_free_blocks - sum(1 for b in kv._cached.values() if b.ref_cnt == 0),
                       "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
-                      "frontend_pending": len(self.engine._queues) - len(sched.waiting) - len(sched.running),
                       "waiting": waiting, "running": running, "draining": self.draining})
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -322,8 +338,9 @@ async def serve(args: argparse.Namespace, preset: Preset) -> int:
 
     reporter = None
     if args.proxy_url:
-        host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-        url = args.advertise_url or f"http://{host}:{port}"
+        # bound to 0.0.0.0: the address the route to the proxy leaves from (never 0.0.0.0 to dial)
+        url = await asyncio.to_thread(advertise_url, args.advertise_url, args.host, port,
+                                      parse_proxy_urls(args.proxy_url))
         registration = WorkerRegistration(
             worker_id=args.worker_id, url=url, models=[model], engine="sim",
             kv_capacity_tokens=server.engine.kv.num_blocks * server.engine.kv.block_size,

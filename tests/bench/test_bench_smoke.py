@@ -80,7 +80,7 @@ def test_quality_smoke_runs_sessions_through_kvroute_and_the_oracle_on_fresh_fle
     # the calibration is a closed loop through the oracle; the cells are open loop at 80% of it
     _run_bench(procs, tmp_path, "quality", "--families", "sessions", "--loads", "0.8", "--routes",
                "kvroute:default,oracle", "--requests", "40", "--repeats", "1", "--workers", "2",
-               "--closed-clients", "8", "--calibrate-requests", "40", "--time-scale", "4", timeout=300)
+               "--closed-clients", "8", "--calibrate-requests", "40", "--calibrate-routes", "oracle", "--time-scale", "4", timeout=300)
     md = next(tmp_path.glob("*-quality-matrix.md")).read_text()
     assert "QUICK RUN: NOT MEANINGFUL" in md  # 60 requests, 1 repeat: marked as such
     rows = _table_rows(md, r"closed loop|80%")

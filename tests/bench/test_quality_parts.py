@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 
 from backends.sim.presets import get_preset
-from bench.oracle import predict_ttft_s
+from bench.oracle import _common, effective_cached, predict_ttft_s
 from bench.quality import QUICK_DIR, aggregate, is_quick, render, verdicts
 from bench.workloads import KINDS, MODEL_B, generate, load_or_generate
 
@@ -80,7 +80,7 @@ def test_verdict_names_each_missed_criterion_and_the_markdown_comes_from_the_row
     assert v[("kv_pressure", "95%")] == "meets the bar"
     meta = {"quick": True, "environment": "env", "took_s": 1.0, "command": "kvroute bench quality", "workers": 4,
             "preset": "p", "time_scale": 1.0, "requests": 10, "repeats": 2, "closed_clients": 32,
-            "calibrate_route": "oracle", "ttft_slo": 1.0, "default_policy": "kv_aware",
+            "calibrate_routes": "oracle", "ttft_slo": 1.0, "default_policy": "kv_aware",
             "families": {"kv_pressure": {"kv_tokens": 32768, "shared_prefix_tokens": 61000, "capacity": 20.0}}}
     md = render({"meta": meta, "rows": rows})
     assert "NOT MEANINGFUL" in md and "1100 (1000-1200)" in md  # mean (min-max) over the two repeats
@@ -89,3 +89,11 @@ def test_verdict_names_each_missed_criterion_and_the_markdown_comes_from_the_row
 def test_small_runs_are_quick_and_go_outside_the_results_folder():
     assert is_quick(999, 3) and is_quick(1000, 2) and not is_quick(1000, 3)
     assert "results" not in QUICK_DIR.parts
+
+
+def test_oracle_counts_a_prefix_being_computed_there_as_good_as_cached():
+    assert _common([1, 2, 3, 4], [1, 2, 9]) == 2 and _common([], [1]) == 0
+    probe = _probe(cached_tokens=0, pending_prefix_tokens=3200)
+    assert effective_cached(probe) == 3200 and effective_cached(probe, in_transit_match=3984) == 3984
+    preset = get_preset("h100-qwen3-vl-8b")
+    assert predict_ttft_s(preset, probe) < predict_ttft_s(preset, _probe())
