@@ -537,3 +537,43 @@ def test_the_worker_gives_its_engine_a_key_of_its_own_and_keeps_one_the_operator
     assert engine_api_key("vllm", ["--api-key", "mine"], {}) == ("mine", [], {})
     assert engine_api_key("vllm", [], {"VLLM_API_KEY": "env-key"}) == ("env-key", [], {})
     assert engine_api_key("turbomind", ["--api-keys=given"], {})[0] == "given"
+
+
+# --- real non-loopback callers: hosts as network namespaces on a private bridge ---------------------------
+
+def test_callers_on_other_hosts_get_no_control_plane_without_credentials_even_when_spoofing(procs, tmp_path):
+    import json
+    import sys
+
+    import httpx
+
+    from tests.support.netns import ROOT_ADDRESS, namespaces_error, network
+    from tests.support.procs import wait_http_ok
+
+    if (why := namespaces_error()) is not None:
+        pytest.skip(why)  # as tests/multihost does: the kernel or container forbids namespaces
+    config = tmp_path / "proxy.yaml"
+    config.write_text(TOKENS + f"  trusted_worker_networks: [{ROOT_ADDRESS}/32]\n")
+    with network(procs, ["a", "b"]) as net:
+        a, b = net["a"], net["b"]
+        a.kvroute("proxy", "--host", "0.0.0.0", "--port", "8000", "--config", str(config), name="proxy")
+        url = a.url(8000)
+        wait_http_ok(url + "/health", timeout=30)
+        # B claims to be the trusted root address; the data plane replaces the claim with B's own.
+        spoof = {peer.CLIENT_ADDR_HEADER: ROOT_ADDRESS, peer.HOP_SECRET_HEADER: "guess"}
+        with httpx.Client(timeout=10) as http:  # this process: 10.203.0.1, trusted for registration only
+            assert http.get(url + "/workers").status_code == 403  # known, but not an admin
+            assert http.get(url + "/workers", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
+            nothing_there = http.post(url + "/nodes/add", json={"url": f"http://{b.address}:9"})
+            assert nothing_there.status_code == 400  # trusted: past auth, to a probe that finds nothing
+            assert nothing_there.json()["error"]["code"] == "worker_unreachable"
+            assert http.post(url + "/fleet/scale", json={"model": "m", "replicas": 1}).status_code == 403
+        script = (f"import httpx, json; u = {url!r}; s = {json.dumps(spoof)!r}\n"
+                  "out = [httpx.get(u + '/workers').status_code,\n"
+                  f"       httpx.post(u + '/nodes/add', json={{'url': {b.url(9)!r}}}, headers=json.loads(s)).status_code,\n"
+                  f"       httpx.post(u + '/workers', json={{'url': {b.url(9)!r}, 'models': ['m']}},\n"
+                  f"                  headers={{'Authorization': 'Bearer {WORKER_TOKEN}'}}).status_code]\n"
+                  "print(json.dumps(out))")
+        result = b.run([sys.executable, "-c", script])
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout.strip().splitlines()[-1]) == [401, 401, 200]
