@@ -59,7 +59,7 @@ class WorkerModel:
     """Learnt parameters of one worker (see the module docstring)."""
 
     __slots__ = ("theta", "cov", "decode_step_s", "turnover_s", "observations", "reported_rate",
-                 "mean_prefill_tokens", "mean_kv_tokens", "pooled")
+                 "mean_prefill_tokens", "mean_kv_tokens", "pooled", "version", "_params", "_params_key")
 
     def __init__(self, pooled: WorkerModel | None = None) -> None:
         self.pooled = pooled  # the fleet's parameters, used until this worker is informed
@@ -74,6 +74,9 @@ class WorkerModel:
         # what a request sent to this worker typically costs it (prices the ones it reports waiting)
         self.mean_prefill_tokens = 0.0
         self.mean_kv_tokens = 0.0
+        self.version = 0  # bumped whenever theta changes: params() is cached on it
+        self._params: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        self._params_key: tuple[int, int] | None = None
 
     # --- what the decision reads -------------------------------------------------------------
     @property
@@ -88,22 +91,32 @@ class WorkerModel:
         weight = n / (n + SHRINK_N)
         return pooled.theta[i] + weight * (self.theta[i] - pooled.theta[i])
 
+    def params(self) -> tuple[float, float, float]:
+        """(bias_s, s_per_token, s_per_media_token) as the decision uses them (shrunk, clamped; cached)."""
+        key = (self.version, self.pooled.version if self.pooled is not None else 0)
+        if key != self._params_key:
+            self._params = (min(max(self._effective(0), 0.0), 10.0),
+                            min(max(self._effective(1), MIN_S_PER_TOKEN), MAX_S_PER_TOKEN),
+                            min(max(self._effective(2), 0.0), MAX_S_PER_TOKEN))
+            self._params_key = key
+        return self._params
+
     @property
     def bias_s(self) -> float:
-        return min(max(self._effective(0), 0.0), 10.0)
+        return self.params()[0]
 
     @property
     def s_per_token(self) -> float:
-        return min(max(self._effective(1), MIN_S_PER_TOKEN), MAX_S_PER_TOKEN)
+        return self.params()[1]
 
     @property
     def s_per_media_token(self) -> float:
-        return min(max(self._effective(2), 0.0), MAX_S_PER_TOKEN)
+        return self.params()[2]
 
     def prefill_s(self, uncached_tokens: float, uncached_media_tokens: float) -> float:
         """Seconds from the head of the queue to the first token for this much new prompt."""
-        return (self.bias_s + self.s_per_token * uncached_tokens
-                + self.s_per_media_token * uncached_media_tokens)
+        bias, s_tok, s_vis = self.params()
+        return bias + s_tok * uncached_tokens + s_vis * uncached_media_tokens
 
     def request_turnover_s(self, expected_output_tokens: int) -> float:
         """How long a request stays running after its first token (it holds its KV until then)."""
@@ -149,6 +162,7 @@ class WorkerModel:
         pooled = self.pooled
         if pooled is None:
             return
+        pooled.version += 1
         if not pooled.informed:  # the first informed worker replaces the priors outright
             pooled.theta = list(self.theta)
             pooled.observations = 1
@@ -166,6 +180,7 @@ class WorkerModel:
         error = min(max(y - predicted, -limit), limit)
         for i in range(3):
             theta[i] += gain[i] * error
+        self.version += 1
         for i in range(3):
             for j in range(3):
                 p[i][j] = (p[i][j] - gain[i] * px[j]) / FORGET

@@ -114,7 +114,7 @@ def predict(worker: Worker, model: WorkerModel, request: RoutedRequest, cached: 
     committed = used + pending_kv + waiting * kv_bar
     turnover = model.request_turnover_s(request.expected_output_tokens)
 
-    s_tok = model.s_per_token
+    bias, s_tok, s_vis = model.params()
     queue = s_tok * (load.pending_prefill_tokens(now) + waiting * prefill_bar)
     deficit = committed + need - capacity
     kv_wait = deficit * turnover / max(used, kv_bar) if deficit > 0 else 0.0
@@ -124,7 +124,7 @@ def predict(worker: Worker, model: WorkerModel, request: RoutedRequest, cached: 
     free = capacity - committed
     evictable_hot = min(max(0, min(hot_tokens, capacity) - cached), max(0.0, free))
     evicted = min(evictable_hot, max(0.0, evictable_hot + need - free))
-    return Prediction(queue, model.prefill_s(uncached, media_uncached), s_tok * evicted, cached, uncached,
+    return Prediction(queue, bias + s_tok * uncached + s_vis * media_uncached, s_tok * evicted, cached, uncached,
                       media_uncached)
 
 
