@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 
 from proxy.protocol import LoadReport, WorkerRegistration
 from proxy.registry import Registry, Worker
+from proxy.security.redact import redact_text
 
 log = logging.getLogger("kvroute.state")
 
@@ -55,7 +56,7 @@ class RedisState:
             await self._load()
             self.connected = True
         except (RedisError, OSError) as exc:
-            log.warning("redis %s unavailable at start-up (%s); starting empty and retrying", self.url, exc)
+            log.warning("redis %s unavailable at start-up (%s); starting empty and retrying", redact_text(self.url), exc)
         self.registry.add_listener(self._on_local_change)
         self._tasks = [asyncio.create_task(self._write_loop(), name="kvroute-state-writer"),
                        asyncio.create_task(self._subscribe_loop(), name="kvroute-state-subscriber"),
@@ -173,7 +174,7 @@ class RedisState:
         finally:
             self._applying = False
         if entries:
-            log.info("loaded %d workers from %s", len(entries), self.url)
+            log.info("loaded %d workers from %s", len(entries), redact_text(self.url))
 
     async def _resync_loop(self) -> None:
         while True:
@@ -212,9 +213,9 @@ class RedisState:
 
     def _set_connected(self, ok: bool, exc: BaseException | None = None) -> None:
         if ok and not self.connected:
-            log.info("redis %s reachable again", self.url)
+            log.info("redis %s reachable again", redact_text(self.url))
         elif not ok and self.connected:
-            log.warning("redis %s unreachable (%s); routing on the last known view", self.url, exc)
+            log.warning("redis %s unreachable (%s); routing on the last known view", redact_text(self.url), exc)
         self.connected = ok
 
 
