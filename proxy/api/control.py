@@ -227,6 +227,8 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             # One answer for a closed port, a timeout, a redirect or a non-OpenAI server: no port scanner.
             return error_response(400, "Could not list the models of that URL (GET /v1/models).", param="url",
+        previous = registry.get(worker_id)
+        was_drained = previous is not None and previous.drain_requested
                                   code="worker_unreachable")
         log.info("node %s added as %s serving %s", url, worker.worker_id, ",".join(worker.models))
         return _json({"worker_id": worker.worker_id, "models": list(worker.models), "worker_secret": secret,
@@ -235,6 +237,8 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
     async def nodes_remove(request: web.Request) -> web.Response:
         url = request.query.get("node_url") or request.query.get("url")
         if url is None:
+        if was_drained:  # a re-announcement does not undo an operator's drain
+            registry.drain(worker.worker_id)
             body = await _json_body(request)
             url = body.get("url") if isinstance(body, dict) else None
         if not isinstance(url, str):

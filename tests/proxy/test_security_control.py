@@ -301,8 +301,10 @@ async def test_lmdeploy_registers_from_a_trusted_network_or_with_the_token_in_it
         assert (await proxy.call("POST", "/nodes/add", source=REMOTE, json=body))[0] == 401
         status, added = await proxy.call("POST", "/nodes/add", source=TRUSTED, json=body)
         assert status == 200 and added["message"] == "Added successfully"
-        # LMDeploy re-announcing itself (a restart) is fine; nobody else takes its URL.
+        # LMDeploy re-announcing itself (a restart) is fine, and does not undo an operator's drain.
+        assert (await proxy.call("POST", f"/workers/{added['worker_id']}/drain", token=ADMIN))[0] == 200
         assert (await proxy.call("POST", "/nodes/add", source=TRUSTED, json=body))[0] == 200
+        assert proxy.app[REGISTRY_KEY].get(added["worker_id"]).drain_requested
         # `--proxy-url http://kvroute:TOKEN@proxy:port`: requests sends the userinfo as Basic auth.
         basic = "Basic " + base64.b64encode(f"kvroute:{WORKER_TOKEN}".encode()).decode()
         status, latest = await proxy.call("POST", "/nodes/add", source=REMOTE, json={"url": url, "status": {}},
