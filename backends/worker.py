@@ -30,9 +30,10 @@ from pathlib import Path
 
 import aiohttp
 
+from backends.address import advertise_url
 from backends.engines.base import EngineAdapter, EngineLaunch
 from backends.engines.guard import ENGINE_PID_LINE, set_parent_death_signal
-from backends.reporter import Load, ProxyReporter
+from backends.reporter import Load, ProxyReporter, parse_proxy_urls
 from proxy.protocol import WorkerRegistration
 from proxy.security.redact import redact_argv
 
@@ -139,8 +140,8 @@ class Supervisor:
         self.launch = launch
         loopback = "127.0.0.1" if launch.host in ("0.0.0.0", "::", "") else launch.host
         self.local_url = f"http://{loopback}:{launch.port}"
-        self.advertise_url = args.advertise_url or (
-            f"http://{socket.gethostname() if loopback != launch.host else launch.host}:{launch.port}")
+        self.advertise_url = advertise_url(args.advertise_url, launch.host, launch.port,
+                                           parse_proxy_urls(args.proxy_url))
         log_dir = Path(os.environ.get("KVROUTE_LOG_DIR", tempfile.gettempdir()))
         self.log_path = log_dir / f"kvroute-engine-{adapter.family}-{launch.port}.log"
         self.proc: asyncio.subprocess.Process | None = None
