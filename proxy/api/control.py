@@ -7,6 +7,7 @@ probing a URL-only worker in the monitor.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -206,6 +207,12 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
         access = _access(request)
         if not access.caller.may_register:
             return access.auth.denied(access.caller, "registering workers")
+        # LMDeploy bound to 0.0.0.0 announces http://0.0.0.0:PORT: dial the address it called us from.
+        url, unspecified = _from_caller(url, access.caller.host)
+        if unspecified:
+            return error_response(400, f"`url` {url!r} names no host to dial (0.0.0.0) and the caller's address is "
+                                       "unknown; pass the worker's reachable address (lmdeploy serve api_server "
+                                       "--server-name HOST).", param="url", code="invalid_url")
         status = body.get("status") if isinstance(body.get("status"), dict) else {}
         listed = status.get("models")
         models = [m for m in listed if isinstance(m, str)] if isinstance(listed, list) else []
@@ -220,6 +227,8 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
                    if not (h.source == "nodes" and h.url == url.rstrip("/") and h.worker_id == worker_id)]
         if (holder := _may_replace(access, holders, registry.clock())) is not None:
             return _conflict(holder)
+        previous = registry.get(worker_id)
+        was_drained = previous is not None and previous.drain_requested
         secret = new_secret()
         try:
             worker = await monitor.add_by_url(url, models or None, source="nodes", labels=labels,
@@ -227,9 +236,9 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             # One answer for a closed port, a timeout, a redirect or a non-OpenAI server: no port scanner.
             return error_response(400, "Could not list the models of that URL (GET /v1/models).", param="url",
-        previous = registry.get(worker_id)
-        was_drained = previous is not None and previous.drain_requested
                                   code="worker_unreachable")
+        if was_drained:  # a re-announcement does not undo an operator's drain
+            registry.drain(worker.worker_id)
         log.info("node %s added as %s serving %s", url, worker.worker_id, ",".join(worker.models))
         return _json({"worker_id": worker.worker_id, "models": list(worker.models), "worker_secret": secret,
                       "message": "Added successfully"})
@@ -237,8 +246,6 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
     async def nodes_remove(request: web.Request) -> web.Response:
         url = request.query.get("node_url") or request.query.get("url")
         if url is None:
-        if was_drained:  # a re-announcement does not undo an operator's drain
-            registry.drain(worker.worker_id)
             body = await _json_body(request)
             url = body.get("url") if isinstance(body, dict) else None
         if not isinstance(url, str):
@@ -290,6 +297,20 @@ async def _json_body(request: web.Request) -> object:
         return orjson.loads(raw)
     except orjson.JSONDecodeError:
         return None
+
+
+def _from_caller(url: str, caller_host: str) -> tuple[str, bool]:
+    """A URL whose host is 0.0.0.0/:: with the caller's address in its place; (url, True) when it cannot be."""
+    parsed = URL(url)
+    if (parsed.host or "") not in ("0.0.0.0", "::"):
+        return url, False
+    try:
+        caller = ipaddress.ip_address(caller_host.split("%", 1)[0])
+    except ValueError:
+        return url, True
+    if caller.is_unspecified:
+        return url, True
+    return str(parsed.with_host(str(caller))).rstrip("/"), False
 
 
 def _is_worker_url(url: str) -> bool:
