@@ -136,3 +136,16 @@ def test_a_full_worker_with_a_waiting_queue_is_predicted_within_a_factor_of_2():
     measured = sim.run_until_first_token(sim.submit(tokens(rng, 1000), output))
     assert pred.queue_s > 0
     assert measured / 2 <= pred.ttft_s <= measured * 2, (pred.queue_s, pred.ttft_s, measured)
+
+
+def test_the_sim_reports_its_marginal_prefill_rate_and_decode_step():
+    rng = random.Random(10)
+    sim = SimDriver()
+    learnt_worker(rng, sim)
+    for _ in range(8):
+        sim.submit(tokens(rng, 500), 50)
+    for _ in range(30):
+        sim.step()
+    # roofline of the preset: 2 x 8.2 G params per token at 0.5 x 989 TFLOP/s = 30k tokens/s, less attention
+    assert 20_000 < sim.speed.prefill_tokens_per_s < 31_000
+    assert 0.005 < sim.speed.decode_step_s < 0.02
