@@ -1,4 +1,5 @@
-"""kv_cost through a real proxy to real sim workers under KV pressure: hot prefixes stay, cold prompts move.
+"""kv_cost through a real proxy to real sim workers: under KV pressure hot prefixes stay and cold prompts move;
+a prompt longer than every worker's max_model_len is refused with 400.
 
 Two cpu-tiny sim workers with a 4096-token KV cache each, in real time. A long shared system
 prompt becomes hot on one worker; while that worker's cache is loaded with its streams, cold long
@@ -71,3 +72,15 @@ def test_a_hot_prefix_keeps_its_worker_under_pressure_while_cold_prompts_go_else
     cold_workers = [r.headers["x-kvroute-worker"] for r in cold]
     assert hot_workers == [owner] * len(hot), (hot_workers, fleet.workers())
     assert owner not in cold_workers, (cold_workers, fleet.workers())
+
+
+def test_a_prompt_longer_than_every_workers_context_gets_400_context_length_exceeded(fleet):
+    fleet.start_proxy()
+    fleet.start_sims(1, kv_capacity_tokens=4096)  # the sim caps max_model_len at its cache: 4096
+    resp = fleet.chat("many words " * 4000)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["type"] == "invalid_request_error"
+    assert "maximum context length is 4096 tokens" in error["message"]
+    assert fleet.chat("a short question").status_code == 200
+    assert fleet.workers()[0]["dispatched_total"] == 1  # the long one never reached the engine
