@@ -92,6 +92,9 @@ class FleetManager:
         # needing a restart (liveconfig.py); the proxy in this process takes the result (on_apply).
         if change.describe():
             plan["proxy"] = change.describe()
+        if change.restart:  # a warning reaches the terminal of `kvroute up`, not only its log file
+            log.warning("the new config changes %s: NOT applied, restart kvroute up to use them",
+                        ", ".join(change.restart))
         config = change.config
         self.desired = config
         self.generation += 1
