@@ -23,6 +23,8 @@ def explain_state(record: dict[str, Any]) -> str:
             return f"circuit open after failures{_tail(error)}"
         if reported == "failed":
             return "the worker reports its engine failed"
+        if error and "probe" in str(error):
+            return str(error)[:100]  # the monitor's own words already say it was the probe
         return f"health probe failed{_tail(error)}"
     if state == "stale":
         if reported == "starting":

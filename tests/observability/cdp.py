@@ -37,12 +37,13 @@ class Browser:
 
     def __init__(self, procs: ProcessGroup, profile: Path, width: int = 1400, height: int = 900) -> None:
         profile.mkdir(parents=True, exist_ok=True)
+        port_file = profile / "DevToolsActivePort"
+        port_file.unlink(missing_ok=True)  # a reused profile keeps the last run's port
         self.proc = procs.start([chromium_binary(), "--headless=new", "--no-sandbox", "--disable-gpu",
                                  "--disable-dev-shm-usage", "--no-first-run", "--no-default-browser-check",
                                  "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
                                  f"--user-data-dir={profile}", f"--window-size={width},{height}", "about:blank"],
                                 name="chromium")
-        port_file = profile / "DevToolsActivePort"
         port = wait_until(lambda: port_file.exists() and port_file.read_text().split("\n")[0].strip(), 30.0,
                           0.1, "Chromium's DevTools port")
         pages = wait_until(lambda: [t for t in httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=2).json()
