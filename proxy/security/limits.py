@@ -271,9 +271,19 @@ class LimitedTCPSite(web.TCPSite):
         server = self._runner.server
         assert server is not None
 
+        pending = 0  # accepted, but connection_made (which lists it in server.connections) has not run yet
+
+        def settled() -> None:
+            nonlocal pending
+            pending -= 1
+
         def factory() -> asyncio.Protocol:
-            if len(server.connections) >= self.limits.max_client_connections:
+            nonlocal pending
+            if len(server.connections) + pending >= self.limits.max_client_connections:
                 return _Refuse(self._refused)
+            pending += 1
+            # The transport schedules connection_made right after this returns; two hops land after it.
+            loop.call_soon(loop.call_soon, settled)
             handler = server()
             loop.call_later(self.limits.header_read_timeout_s, self._check_first_request, handler)
             return handler

@@ -300,8 +300,8 @@ def test_connections_over_the_cap_get_a_503_and_the_held_ones_still_work(fleet):
     port = int(fleet.url.rsplit(":", 1)[1])
     idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
     try:
-        wait_until(lambda: raw_exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").startswith(
-            b"HTTP/1.1 503"), 10, what="the 4th connection refused")
+        wait_until(lambda: raw_exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                                        timeout=2).startswith(b"HTTP/1.1 503"), 15, what="the 4th connection refused")
         refused = raw_exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert b"too_many_connections" in refused
         idle[0].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
