@@ -123,17 +123,19 @@ def test_up_in_an_80_column_terminal_fits_tells_how_to_stop_and_where_logs_are(p
         assert (logs / "kvroute-up.log").exists() and (logs / "qwen3-vl-tiny-sim-0.log").exists()
         assert "INFO" not in shown  # info lines go to the log file, not also to the terminal
 
-        # `kvroute status` at 80 columns: a worker whose reports stop shows as stale, with why.
+        # `kvroute status` at 80 columns: a worker whose reports stop shows as stale (then, once the proxy's
+        # health probe times out, unhealthy), with why; never as `starting`.
         fleet = httpx.get(url + "/fleet", timeout=5).json()
         pid = next(r["pid"] for r in fleet["replicas"] if r["worker_id"] == "qwen3-vl-tiny-sim-1")
         os.kill(pid, signal.SIGSTOP)
+        not_ready = r"qwen3-vl-tiny-sim-1\s+(stale|unhealthy)"
         try:
-            text = wait_until(lambda: (lambda t: t if re.search(r"qwen3-vl-tiny-sim-1\s+stale", t) else None)(
-                _status(procs, url, tmp_path)), 30, 0.5, "the stopped worker to show as stale")
+            text = wait_until(lambda: (lambda t: t if re.search(not_ready, t) else None)(
+                _status(procs, url, tmp_path)), 30, 0.5, "the stopped worker to show as stale or unhealthy")
         finally:
             os.kill(pid, signal.SIGCONT)
         assert _too_wide(text) == [], text
-        assert "last load report" in text and "starting" not in text
+        assert ("last load report" in text or "probe failed" in text) and "starting" not in text
         assert re.search(r"qwen3-vl-tiny-sim-0\s+ready", text)
 
         # A config edit that is rejected shows in the status, with when.
