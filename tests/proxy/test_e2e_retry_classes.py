@@ -20,14 +20,17 @@ def _bad_image_chat(url: str) -> httpx.Response:
                                      {"type": "text", "text": "what is this?"}]}]})
 
 
-def test_unreachable_image_urls_get_a_400_each_and_valid_requests_meanwhile_are_served(fleet, procs):
+@pytest.mark.parametrize("data_plane", ["fast", "aiohttp"])
+def test_unreachable_image_urls_get_a_400_each_and_valid_requests_meanwhile_are_served(fleet, procs, monkeypatch,
+                                                                                       data_plane):
+    monkeypatch.setenv("KVROUTE_DATA_PLANE", data_plane)
     fleet.start_proxy()
     engines = []
     for i in range(2):
         port = free_port()
         procs.start([sys.executable, "-m", "tests.proxy.fake_engine", str(port), "m1"], name=f"fake-{i}")
         engines.append(f"http://127.0.0.1:{port}")
-    for i, url in enumerate(engines):
+    for url in engines:
         wait_http_ok(url + "/health")
         assert fleet.http.post(fleet.url + "/nodes/add", json={"url": url}).status_code == 200
 
