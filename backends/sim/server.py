@@ -159,16 +159,25 @@ class SimServer:
         hashes = block_hashes(token_ids, kv.block_size, max(0, len(token_ids) - 1) // kv.block_size)
         cached = len(kv.find_cached_prefix(token_ids, hashes)) * kv.block_size
         media_uncached = sum(max(0, s + n - max(s, cached)) for s, n in spans)
-        # blocks that queued or running requests will have cached once computed (same prefix, not yet hashed)
-        pending = 0
+        # blocks that queued or running requests will have cached once computed (same prefix, not yet hashed);
+        # bounded work per probe (8 matching requests, 32 waiting ones looked up) so probing does not starve the engine
+        pending, matched = 0, 0
         for r in (*sched.waiting, *sched.running):
             theirs = r.full_block_hashes(kv.block_size)
             if theirs and hashes and theirs[0] == hashes[0]:
-                n = next((i for i, (a, b) in enumerate(zip(hashes, theirs, strict=False)) if a != b), min(len(hashes), len(theirs)))
+                n = next((i for i, (a, b) in enumerate(zip(hashes, theirs, strict=False)) if a != b),
+                         min(len(hashes), len(theirs)))
                 pending = max(pending, n * kv.block_size)
-        waiting = []
-        for r in list(sched.waiting)[:256]:
-            hit = len(kv.find_cached_prefix(r.token_ids, r.full_block_hashes(kv.block_size))) * kv.block_size
+                matched += 1
+                if matched >= 8:
+                    break
+        waiting, hit_frac = [], []
+        for i, r in enumerate(sched.waiting):
+            if i < 32:
+                hit = len(kv.find_cached_prefix(r.token_ids, r.full_block_hashes(kv.block_size))) * kv.block_size
+                hit_frac.append(hit / max(1, r.num_tokens))
+            else:  # beyond the first 32: the mean hit fraction of those
+                hit = int(r.num_tokens * sum(hit_frac) / len(hit_frac))
             waiting.append([r.num_tokens - hit, r.max_tokens - r.num_output_tokens])
         running = [[r.num_tokens - r.num_computed_tokens, r.max_tokens - r.num_output_tokens,
                     len(kv.blocks_of(r.request_id)), r.num_tokens] for r in sched.running]
