@@ -168,7 +168,8 @@ def limits_middleware(config: FleetConfig, registry: Any, authenticate: Callable
                 authenticate(request.headers.get("Authorization"))
             async with budget.hold(length if length is not None else max_body):
                 try:
-                    body = await asyncio.wait_for(request.read(), limits.body_read_timeout_s)
+                    async with asyncio.timeout(limits.body_read_timeout_s):  # no extra task, unlike wait_for
+                        body = await request.read()
                 except TimeoutError:
                     return error_response(408, f"The request body did not arrive within "
                                                f"{limits.body_read_timeout_s:g}s.", code="body_timeout",
