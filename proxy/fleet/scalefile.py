@@ -35,6 +35,8 @@ def set_replicas(text: str, model: str, replicas: int) -> str:
         if current is not None:
             if not isinstance(current, yaml.ScalarNode):
                 raise ScaleWriteError(f"models[{model}].replicas is not a plain value")
+            if "${" in current.value:  # the operator chose where the count comes from: do not overwrite it
+                raise ScaleWriteError(f"replicas of {model} comes from {current.value}")
             return text[:current.start_mark.index] + str(replicas) + text[current.end_mark.index:]
         if entry.flow_style:
             raise ScaleWriteError(f"model {model} is written in flow style {{...}}; add `replicas:` to it by hand")

@@ -39,6 +39,8 @@ def test_an_unknown_model_or_a_flow_style_entry_is_refused():
         set_replicas(CONFIG, "nope", 1)
     with pytest.raises(ScaleWriteError, match="flow style"):
         set_replicas("models:\n  - {name: a, engine: sim}\n", "a", 2)
+    with pytest.raises(ScaleWriteError, match="comes from"):
+        set_replicas("models:\n  - name: a\n    replicas: ${A_REPLICAS:-1}\n", "a", 2)
 
 
 def test_write_replicas_keeps_the_file_mode(tmp_path):
