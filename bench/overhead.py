@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -18,7 +19,9 @@ from bench.fleet import Fleet, SimWorkerSpec, start_router
 from bench.loadgen import LoadGenerator, RequestSpec, chat_body, summarize
 from bench.report import environment_note, fmt, md_table, ms, plot_cdfs, results_path, write_json
 
-KVROUTE_POLICIES = ("kv_aware", "prefix", "least_requests", "round_robin")
+KVROUTE_POLICIES = ("kv_cost", "kv_aware", "prefix", "least_requests", "round_robin")
+# `kvroute-aiohttp:POLICY`: kvroute on its previous all-aiohttp data plane (`--data-plane aiohttp`), for comparison
+OLD_PATH = "kvroute-aiohttp"
 PEER_ROUTES = (("vllm-router", "round_robin"), ("vllm-router", "cache_aware"),
                ("sglang-router", "round_robin"), ("sglang-router", "cache_aware"),
                ("lmdeploy", "min_expected_latency"))
@@ -72,7 +75,7 @@ async def _measure(targets: str | list[str], specs: list[RequestSpec], concurren
 
 def run_cell(fleet: Fleet, kind: str, policy: str, w: Workload, model: str, warmup: int) -> dict[str, Any]:
     """One route x one workload: start the router, warm up, measure, stop it."""
-    router = None if kind == "direct" else start_router(kind, policy, fleet)
+    router = None if kind == "direct" else _start(kind, policy, fleet)
     try:
         targets: str | list[str] = fleet.urls if router is None else router.url
         warm = Workload(w.name, warmup, w.concurrency, w.max_tokens, w.stream)
@@ -86,10 +89,14 @@ def run_cell(fleet: Fleet, kind: str, policy: str, w: Workload, model: str, warm
         cpu1 = router.tree.cpu_seconds() if router else 0.0
         after = fleet.metrics()
         row = summarize(run)
+        cpu_s = cpu1 - cpu0
+        # every streamed answer is its content chunks plus the role chunk and [DONE]
+        chunks = sum(r.completion_tokens + 2 for r in run.results if r.ok) if w.stream else 0
         row.update(route=f"{kind}:{policy}" if router else ("direct" if not policy else "direct (again)"),
                    workload=w.name,
                    cpu_us_per_req=(cpu1 - cpu0) / max(1, row["ok"]) * 1e6 if router else None,
                    rss_mb=router.tree.rss_bytes() / 2**20 if router else None,
+                   chunks_per_cpu_s=chunks / cpu_s if router and chunks and cpu_s > 0 else None,
                    spread=_spread(before, after),
                    latencies=[r.latency_s for r in run.results if r.ok],
                    ttfts=[r.ttft_s for r in run.results if r.ok and r.ttft_s is not None])
@@ -97,6 +104,20 @@ def run_cell(fleet: Fleet, kind: str, policy: str, w: Workload, model: str, warm
     finally:
         if router:
             router.stop()
+
+
+def _start(kind: str, policy: str, fleet: Fleet):
+    if kind != OLD_PATH:
+        return start_router(kind, policy, fleet)
+    saved = os.environ.get("KVROUTE_DATA_PLANE")
+    os.environ["KVROUTE_DATA_PLANE"] = "aiohttp"  # inherited by the proxy process start_router spawns
+    try:
+        return start_router("kvroute", policy, fleet)
+    finally:
+        if saved is None:
+            os.environ.pop("KVROUTE_DATA_PLANE", None)
+        else:
+            os.environ["KVROUTE_DATA_PLANE"] = saved
 
 
 BASELINE_KEYS = ("lat_p50", "lat_p99", "ttft_p50", "ttft_p99")
@@ -115,7 +136,9 @@ def render(rows: list[dict[str, Any]], sizes: str) -> str:
            "Added latency/TTFT = router's percentile minus direct's (client-side round robin; mean of a direct "
            "run before and after the routers) in the same run. "
            "CPU = router process tree utime+stime (/proc, children included) per successful request. "
-           "Spread = (max - min) / mean of requests served per worker (workers' vllm:request_success_total).\n"]
+           "Spread = (max - min) / mean of requests served per worker (workers' vllm:request_success_total). "
+           "Chunks/s per core = SSE chunks relayed (content chunks + role chunk + [DONE]) per second of the "
+           "router's CPU: what one saturated core carries.\n"]
     for wl in dict.fromkeys(r["workload"] for r in rows):
         cell = [r for r in rows if r["workload"] == wl]
         base = direct_baseline(cell)
@@ -127,11 +150,13 @@ def render(rows: list[dict[str, Any]], sizes: str) -> str:
 
         table = [[r["route"], r["ok"], r["failed"], r["rejected"], fmt(r["req_per_s"], digits=0),
                   added(r, "lat_p50"), added(r, "lat_p99"), added(r, "ttft_p50"), added(r, "ttft_p99"),
-                  fmt(r["cpu_us_per_req"], digits=0), fmt(r["rss_mb"], digits=0), fmt(r["spread"], digits=2)]
+                  fmt(r["cpu_us_per_req"], digits=0), fmt(r["rss_mb"], digits=0),
+                  fmt(r.get("chunks_per_cpu_s"), digits=0), fmt(r["spread"], digits=2)]
                  for r in cell]
         out.append(f"## {wl}\n")
         out.append(md_table(["route", "ok", "failed", "rejected", "req/s", "added p50 ms", "added p99 ms",
-                             "added TTFT p50 ms", "added TTFT p99 ms", "CPU us/req", "RSS MB", "spread"], table))
+                             "added TTFT p50 ms", "added TTFT p99 ms", "CPU us/req", "RSS MB", "chunks/s per core",
+                             "spread"], table))
         out.append("")
     return "\n".join(out)
 
@@ -142,6 +167,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=200, help="unmeasured requests before each cell")
     p.add_argument("--policies", default=",".join(KVROUTE_POLICIES), help="kvroute policies, comma-separated")
     p.add_argument("--no-peers", action="store_true", help="kvroute and direct only")
+    p.add_argument("--old-path", default="",
+                   help="kvroute policies to run also on the previous aiohttp data plane, comma-separated")
     p.add_argument("--peers", default=",".join(sorted({p for p, _ in PEER_ROUTES})),
                    help="peer routers to include, comma-separated")
     p.add_argument("--workloads", default="stream,stress,nonstream")
@@ -152,6 +179,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     routes: list[tuple[str, str]] = [("direct", "")]
     routes += [("kvroute", p) for p in args.policies.split(",") if p]
+    routes += [(OLD_PATH, p) for p in args.old_path.split(",") if p]
     if not args.no_peers:
         wanted = set(args.peers.split(","))
         routes += [r for r in PEER_ROUTES if r[0] in wanted]

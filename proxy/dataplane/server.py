@@ -56,7 +56,7 @@ class IncomingRequest:
         self.http11 = True
         self.keep_alive = True
         self.kind: str | None = None
-        self.parts: list[bytes] = []
+        self.parts: list[bytes | bytearray] = []  # one item: the body so far
         self.size = 0
         self.started = time.monotonic()
         self.refusal: ProxyError | None = None
@@ -68,8 +68,14 @@ class IncomingRequest:
         return http.header_value(self.headers, lower_name)
 
     def body(self) -> bytes:
+        """The whole body (once: a body that came in pieces is handed over and its buffer let go)."""
         parts = self.parts
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        if not parts:
+            return b""
+        body = parts[0]
+        if isinstance(body, bytearray):
+            body = parts[0] = bytes(body)
+        return body
 
 
 class _Refused(Exception):
@@ -297,7 +303,17 @@ class ClientConnection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         req = self.request
-        req.parts.append(body)
+        parts = req.parts
+        if not parts:
+            parts.append(body)
+        elif len(parts) == 1 and not isinstance(parts[0], bytearray):
+            # A body in pieces grows in one buffer: glibc serves it from mmap once large (security/limits.py
+            # fixes the threshold) and gives it back whole, where thousands of 64 KiB pieces would fragment
+            # the heap and keep a burst of large bodies resident.
+            parts[0] = bytearray(parts[0])
+            parts[0] += body
+        else:
+            parts[0] += body
         req.size += len(body)
         if req.size > self.plane.max_body:
             raise _Refused(_too_large(self.plane.max_body), req.kind is None)
