@@ -103,6 +103,7 @@ def run_cell(args: argparse.Namespace, w: Workload, route: str, load: str, rate_
     row.pop("per_worker", None)  # the client's view; the engines' own count is below
     done = [r.sent_at * ts + r.latency_s for r in run.results if r.ok]
     row.update(engine_deltas(before, after), route=route, load=load, router_cpu=router_cpu, oracle=oracle_stats,
+               oracle_decision_p50_s=(oracle_stats or {}).get("p50_s"),
                makespan_s=max(done) if done else None,
                ttfts=[r.ttft_s for r in run.results if r.ok and r.ttft_s is not None])
     return row
@@ -152,7 +153,7 @@ def _calibrate_one(args: argparse.Namespace, w: Workload, route: str, log_dir: P
 
 # ---- aggregation and rendering (from the JSON alone) ------------------------------------------------
 METRICS = ("req_per_s", "makespan_s", "ttft_p50", "ttft_p99", "goodput_frac", "rejected_429", "rejected_503",
-           "failed", "prefix_hit", "prefill_tokens", "preemptions", "engine_lag_s", "router_cpu")
+           "failed", "prefix_hit", "prefill_tokens", "preemptions", "engine_lag_s", "router_cpu", "oracle_decision_p50_s")
 
 
 def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -265,7 +266,9 @@ def render(data: dict[str, Any]) -> str:
         cell = sorted((a for a in aggs if a["family"] == family),
                       key=lambda a: (a["load"] != "closed", a["load"], a["route"]))
         for a in cell:
-            rows.append([_load_name(a["load"]), a["label"], a["repeats"],
+            label = a["label"] if not a.get("oracle_decision_p50_s") else \
+                f"{a['label']} (decision p50 {_cell(a, 'oracle_decision_p50_s', 1000)} ms wall)"
+            rows.append([_load_name(a["load"]), label, a["repeats"],
                          _cell(a, "makespan_s", digits=1) if a["load"] == "closed" else _cell(a, "req_per_s", digits=2),
                          _cell(a, "ttft_p50", 1000), _cell(a, "ttft_p99", 1000), _cell(a, "goodput_frac", 100, 0, "%"),
                          f"{_cell(a, 'rejected_429')}/{_cell(a, 'rejected_503')}", _cell(a, "failed"),
@@ -344,7 +347,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate-seconds", type=float, default=90.0, help="wall-time cap of the calibration")
     p.add_argument("--out-dir", type=Path, default=None,
                    help="default bench/results/, or bench/.runs/quick-results/ for a quick run")
-    p.add_argument("--name", default="quality-matrix")
+    p.add_argument("--name", default=None,
+                   help="result file name after the date; default quality-matrix, plus -FAMILY,... for a subset")
     p.add_argument("--render", type=Path, default=None, help="only regenerate the markdown from this JSON file")
     p.add_argument("--headline", type=Path, default=None,
                    help="only print the README Performance snippet from this JSON file")
@@ -370,6 +374,8 @@ def run(args: argparse.Namespace) -> int:
     for f in families:
         if f not in FAMILIES:
             raise SystemExit(f"unknown family {f!r}; known: {', '.join(KINDS)}")
+    if args.name is None:
+        args.name = "quality-matrix" + ("" if set(families) == set(KINDS) else "-" + "+".join(families))
     quick = is_quick(args.requests, args.repeats)
     out_dir = args.out_dir or (QUICK_DIR if quick else None)
     import shlex

@@ -81,11 +81,11 @@ def test_quality_smoke_runs_sessions_through_kvroute_and_the_oracle_on_fresh_fle
     _run_bench(procs, tmp_path, "quality", "--families", "sessions", "--loads", "0.8", "--routes",
                "kvroute:default,oracle", "--requests", "40", "--repeats", "1", "--workers", "2",
                "--closed-clients", "8", "--calibrate-requests", "40", "--calibrate-routes", "oracle", "--time-scale", "4", timeout=300)
-    md = next(tmp_path.glob("*-quality-matrix.md")).read_text()
+    md = next(tmp_path.glob("*-quality-matrix-sessions.md")).read_text()
     assert "QUICK RUN: NOT MEANINGFUL" in md  # 60 requests, 1 repeat: marked as such
     rows = _table_rows(md, r"closed loop|80%")
     assert sorted((r[0], r[1].split(" ")[0]) for r in rows) == [("80%", "kvroute:default"), ("80%", "oracle")], md
-    data = json.loads(next(tmp_path.glob("*-quality-matrix.json")).read_text())
+    data = json.loads(next(tmp_path.glob("*-quality-matrix-sessions.json")).read_text())
     assert data["meta"]["quick"] and data["meta"]["families"]["sessions"]["capacity"] > 0
     assert not data["failed_cells"]
     for r in data["rows"]:
@@ -95,5 +95,5 @@ def test_quality_smoke_runs_sessions_through_kvroute_and_the_oracle_on_fresh_fle
         assert sum(r["per_worker"]) == 40, r
         # the turns of a session repeat its history: the engines must hit their prefix caches
         assert r["prefix_hit"] > 0.3, r
-    assert bool(list(tmp_path.glob("*-quality-matrix-sessions-0.8-ttft-cdf.png"))) == HAVE_MATPLOTLIB
+    assert bool(list(tmp_path.glob("*-quality-matrix-sessions-sessions-0.8-ttft-cdf.png"))) == HAVE_MATPLOTLIB
     wait_until(lambda: not _processes_marked(str(tmp_path)), 10, 0.2, "the bench's processes to be gone")
