@@ -182,3 +182,29 @@ def test_dashboard_stays_usable_at_a_thousand_workers(procs, tmp_path):
             assert browser.console_errors == []
         finally:
             browser.close()
+
+
+def test_dashboard_scales_a_model_of_kvroute_up_with_the_admin_token(procs, tmp_path):
+    config = tmp_path / "fleet.yaml"
+    config.write_text("proxy:\n  host: 127.0.0.1\nmodels:\n  - name: tiny\n    engine: sim\n    preset: cpu-tiny\n"
+                      "    device: cpu\n    replicas: 1\n    engine_args: {time-scale: 10}\n")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    procs.kvroute("up", str(config), "--port", str(port), "--run-dir", str(tmp_path / "logs"), name="up")
+    wait_until(lambda: httpx.get(url + "/ready", timeout=2).status_code == 200, 90, 0.2, "kvroute up to be ready")
+    browser = Browser(procs, tmp_path / "chromium-profile")
+    try:
+        browser.open(url + "/dashboard")
+        ready = "document.querySelectorAll('tr[data-worker-id][data-state=\"ready\"]').length"
+        wait_until(lambda: browser.evaluate(ready) == 1, 20, 0.2, "one ready worker on the page")
+        browser.evaluate("useToken('any-token')")  # loopback, no admin token configured: the control plane is open
+        wait_until(lambda: browser.evaluate("document.body.classList.contains('admin')"), 10, 0.1, "admin mode")
+        browser.evaluate("""(i => { i.value = '2'; i.dispatchEvent(new Event('input', {bubbles: true})); })(
+            document.querySelector('input[data-scale-input="tiny"]'));
+            document.querySelector('button[data-scale="tiny"]').click()""")
+        wait_until(lambda: browser.evaluate(ready) == 2, 60, 0.2, "the second replica, started from the page")
+        assert browser.evaluate("document.querySelector('tr[data-model=\"tiny\"] td:nth-child(2)').textContent") == "2/2"
+        browser.pump()
+        assert browser.console_errors == []
+    finally:
+        browser.close()

@@ -2,7 +2,7 @@
 "use strict";
 
 const PAGE_SIZE = 50;                 // worker rows per model group and page: 1000 workers stay quick
-const ui = { frame: null, pages: {}, closed: {}, filter: "", problems: false, token: null };
+const ui = { frame: null, pages: {}, closed: {}, filter: "", problems: false, token: null, scale: {} };
 const $ = (id) => document.getElementById(id);
 
 function esc(v) {
@@ -53,7 +53,7 @@ function renderModels(f) {
     <td class="num${m.errors ? " err" : ""}">${m.errors}</td>
     <td class="num${m.rejected ? " err" : ""}">${m.rejected}</td>
     <td class="num">${m.queued}</td>
-    <td class="admin-only">${f.managed ? `<input type="number" min="0" value="${m.desired ?? m.workers}" size="3" data-scale-input="${esc(m.name)}"> <button data-scale="${esc(m.name)}">scale</button>` : '<span class="muted">needs kvroute up</span>'}</td>
+    <td class="admin-only">${f.managed ? `<input type="number" min="0" value="${ui.scale[m.name] ?? m.desired ?? m.workers}" size="3" data-scale-input="${esc(m.name)}"> <button data-scale="${esc(m.name)}">scale</button>` : '<span class="muted">needs kvroute up</span>'}</td>
   </tr>`);
   $("models").tBodies[0].innerHTML = rows.join("") || '<tr><td colspan="10" class="muted">no models yet</td></tr>';
   const w = f.windows;
@@ -188,6 +188,7 @@ document.addEventListener("click", async (ev) => {
     const input = document.querySelector(`input[data-scale-input="${CSS.escape(t.dataset.scale)}"]`);
     try {
       await admin("POST", "/fleet/scale", { model: t.dataset.scale, replicas: Number(input.value) });
+      delete ui.scale[t.dataset.scale];
     } catch (e) { flash(`scale failed: ${e.message}`); }
   }
 });
@@ -195,6 +196,10 @@ document.addEventListener("toggle", (ev) => {
   const d = ev.target;
   if (d instanceof HTMLDetailsElement && d.dataset.group) ui.closed[d.dataset.group] = !d.open;
 }, true);
+document.addEventListener("input", (ev) => {  // a half-typed replica count survives the next frame
+  const t = ev.target;
+  if (t instanceof HTMLInputElement && t.dataset.scaleInput) ui.scale[t.dataset.scaleInput] = t.value;
+});
 $("filter").addEventListener("input", (ev) => { ui.filter = ev.target.value.trim().toLowerCase(); render(); });
 $("problems").addEventListener("change", (ev) => { ui.problems = ev.target.checked; render(); });
 $("admin-btn").addEventListener("click", () => { $("admin-form").hidden = !$("admin-form").hidden; $("admin-token").focus(); });
