@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import signal
@@ -17,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from proxy.fleet.launcher import WorkerLaunch
 
@@ -105,6 +107,14 @@ class RayWorker:
             await asyncio.to_thread(ray.kill, self.actor)  # frees the GPUs it held
 
 
+def _is_loopback_url(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class RayPlacement:
     name = "ray"
 
@@ -161,6 +171,11 @@ class RayPlacement:
         if not info["gpus"] and held:  # a custom resource has no device ids: show what is held
             info["gpus"] = [f"{n:g} {name}" for name, n in held.items()]
         log.info("%s: actor on node %s holds %s", launch.worker_id, info["node"], info["gpus"] or "no GPUs")
+        if _is_loopback_url(self.proxy_url) and not _is_loopback_url(info["url"]):
+            # The worker registers with a proxy on *its* loopback, i.e. nowhere: say so instead of timing out.
+            log.error("%s runs on node %s but dials the proxy at %s, which only this machine reaches; start "
+                      "kvroute up with --host 0.0.0.0 or --advertise-url http://THIS_NODE:PORT",
+                      launch.worker_id, info["node"], self.proxy_url)
         return RayWorker(actor, info)
 
     def release(self, worker_id: str) -> None:
