@@ -33,12 +33,16 @@ def test_ctrl_c_under_traffic_refuses_new_requests_and_exits_within_the_grace(pr
             assert fleet.proc.popen.wait(GRACE_S + 20) == 0
             exited_after = time.monotonic() - interrupted
         result = load.stop()
-        assert exited_after < GRACE_S + 5, f"exit took {exited_after:.1f}s"
-        assert "kvroute up: stopped" in fleet.proc.log()
-        # what failed was refused at once or found the port closed: no stream cut short, nothing timed out
+        log_tail = fleet.proc.log()[-3000:]
+        # "a few seconds" after the grace: a busy 2-core box needs some to stop five Python processes
+        assert exited_after < GRACE_S + 10, f"exit took {exited_after:.1f}s\n{log_tail}"
+        assert "kvroute up: stopped" in log_tail
+        # what failed was refused at once or found the proxy gone: nothing timed out, no stream was cut
         refused = [f for f in result.failures if f.startswith("HTTP 503") and "shutting_down" in f]
-        closed = [f for f in result.failures if f.startswith(("ConnectError", "RemoteProtocolError"))]
-        assert sorted(refused + closed) == sorted(result.failures), result.failures[:5]
+        gone = [f for f in result.failures if f.startswith(("ConnectError", "ReadError", "WriteError"))
+                or f.startswith("RemoteProtocolError") and "without sending any" in f.lower()
+                or "Server disconnected without sending a response" in f]
+        assert sorted(refused + gone) == sorted(result.failures), result.failures[:5]
         assert result.ok >= served_before
     finally:
         fleet.proc.stop()
