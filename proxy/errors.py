@@ -59,6 +59,5 @@ def no_healthy_worker(model: str) -> ProxyError:
 
 
 def shutting_down() -> ProxyError:
-    return ProxyError(503, "The proxy is shutting down; send the request again (to another replica, or to this "
-                           "address once it is back).", "service_unavailable", code="shutting_down",
-                      headers={"Retry-After": "2"})
+    return ProxyError(503, "The proxy is shutting down; retry on another replica, or here once it is back.",
+                      "service_unavailable", code="shutting_down", headers={"Retry-After": "2"})

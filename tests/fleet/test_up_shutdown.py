@@ -38,7 +38,7 @@ def test_ctrl_c_under_traffic_refuses_new_requests_and_exits_within_the_grace(pr
         assert exited_after < GRACE_S + 10, f"exit took {exited_after:.1f}s\n{log_tail}"
         assert "kvroute up: stopped" in log_tail
         # what failed was refused at once or found the proxy gone: nothing timed out, no stream was cut
-        refused = [f for f in result.failures if f.startswith("HTTP 503") and "shutting_down" in f]
+        refused = [f for f in result.failures if f.startswith("HTTP 503") and "shutting down" in f]
         gone = [f for f in result.failures if f.startswith(("ConnectError", "ReadError", "WriteError"))
                 or f.startswith("RemoteProtocolError") and "without sending any" in f.lower()
                 or "Server disconnected without sending a response" in f]
