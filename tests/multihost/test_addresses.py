@@ -12,6 +12,7 @@ from tests.multihost.support import (
     MODEL,
     PROXY_PORT,
     WORKER_TOKEN,
+    Load,
     proxy_config,
     start_proxy,
     start_sim,
@@ -35,16 +36,12 @@ def test_workers_bound_to_all_interfaces_register_the_address_the_proxy_reaches(
     wait_ready(a, {"a-0", "local-0", "b-0", "c-0"})
 
     urls = {wid: w["url"] for wid, w in workers(a).items()}
-    assert urls == {"a-0": f"http://{a.address}:8102", "local-0": "http://127.0.0.1:8103", "b-0": f"http://{b.address}:8101",
-                    "c-0": f"http://{c.address}:8101"}
-    served = set()
-    with httpx.Client(timeout=10) as client:
-        for n in range(30):
-            r = client.post(f"{a.url(PROXY_PORT)}/v1/chat/completions",
-                            json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": f"q{n}"}]})
-            assert r.status_code == 200, r.text
-            served.add(r.headers["x-kvroute-worker"])
-    assert served == {"a-0", "local-0", "b-0", "c-0"}
+    assert urls == {"a-0": f"http://{a.address}:8102", "local-0": "http://127.0.0.1:8103",
+                    "b-0": f"http://{b.address}:8101", "c-0": f"http://{c.address}:8101"}
+    everyone = {"a-0", "local-0", "b-0", "c-0"}
+    with Load(a.url(PROXY_PORT), concurrency=8, max_tokens=16) as load:  # enough at once to spread
+        wait_until(lambda: set(load.served_by()) == everyone, 30, 0.1, "every worker to serve through the proxy")
+    assert not load.failures(), [o.error for o in load.failures()][:5]
 
 
 def _nodes_add(host, proxy_url: str, url: str) -> dict:
@@ -72,3 +69,21 @@ def test_lmdeploy_announcing_0000_is_registered_at_the_callers_address(net, tmp_
     r = httpx.post(f"{a.url(PROXY_PORT)}/v1/chat/completions", timeout=10,
                    json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200, r.text
+
+
+def test_the_advertised_url_is_never_an_unspecified_address():
+    from backends.address import advertise_url
+
+    assert advertise_url("http://10.0.0.7:9000/", "0.0.0.0", 8101, ["http://10.0.0.1:8000"]) == "http://10.0.0.7:9000"
+    assert advertise_url(None, "10.0.0.2", 8101, ["http://10.0.0.1:8000"]) == "http://10.0.0.2:8101"
+    assert advertise_url(None, "0.0.0.0", 8101, ["http://127.0.0.1:8000"]) == "http://127.0.0.1:8101"
+    assert advertise_url(None, "::", 8101, []) == "http://127.0.0.1:8101"  # standalone: only this machine
+
+
+def test_nodes_add_takes_the_callers_address_for_0000_or_refuses_when_it_has_none():
+    from proxy.api.control import _from_caller
+
+    assert _from_caller("http://0.0.0.0:23333", "10.203.0.4") == ("http://10.203.0.4:23333", False)
+    assert _from_caller("http://[::]:23333", "fd00::4") == ("http://[fd00::4]:23333", False)
+    assert _from_caller("http://10.0.0.9:23333", "10.203.0.4") == ("http://10.0.0.9:23333", False)
+    assert _from_caller("http://0.0.0.0:23333", "")[1] is True  # unknown caller (a unix socket): 400

@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from proxy.protocol import STALE_AFTER_S
 from tests.multihost.support import (
     MODEL,
     PROXY_PORT,
@@ -17,12 +18,19 @@ from tests.multihost.support import (
     start_proxy,
     start_sim,
     wait_ready,
+    workers,
 )
 from tests.support.procs import wait_until
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(150)]
 
 REDIS_PORT = 6379
+
+
+def _reported_since(proxy, worker_id: str, wall: float) -> bool:
+    """Whether `proxy` holds a report from `worker_id` sent after `wall` (time.time(); one clock on this box)."""
+    report = workers(proxy).get(worker_id, {}).get("last_report") or {}
+    return float(report.get("sent_at") or 0) > wall
 
 
 def _ask(proxy, n: int = 10) -> set[str]:
@@ -53,21 +61,34 @@ def test_proxies_on_two_hosts_share_a_redis_on_a_third_through_a_partition(net, 
 
     with Load(b.url(PROXY_PORT), concurrency=4) as load:
         load.wait_served(20)
-        cut_at = time.monotonic()
+        cut_at, cut_wall = time.monotonic(), time.time()
         a.link_down()  # A keeps running, unreachable: d-0's reports to A stop, it moves to B
-        wait_until(lambda: ready(b) == {"d-0", "d-1"} and load.served_by()["d-0"] > 0
-                   and any(o.worker == "d-0" and o.started > cut_at for o in load.snapshot()),
-                   60, 0.1, "B serving d-0 again after A's cut")
-        full_again = time.monotonic() - cut_at
+        # Past the stale window, B must still hear from d-0 (through B now) and route to it.
+        not_ready_on_b: list[float] = []
+
+        def moved() -> bool:
+            if "d-0" not in ready(b):
+                not_ready_on_b.append(time.monotonic())
+            return _reported_since(b, "d-0", cut_wall + STALE_AFTER_S + 0.5) and ready(b) == {"d-0", "d-1"}
+
+        wait_until(moved, 60, 0.1, "d-0 reporting to B after A's cut")
+        moved_after = time.monotonic() - cut_at
+        gap = not_ready_on_b[-1] - not_ready_on_b[0] if not_ready_on_b else 0.0
+        routed_since = time.monotonic()
+        wait_until(lambda: any(o.worker == "d-0" and o.started > routed_since for o in load.snapshot()), 30, 0.1,
+                   "B to route to d-0 after the cut")
         load.wait_served(20)
-        healed_from = time.monotonic()
+        up_at, up_wall = time.monotonic(), time.time()
         a.link_up()
-        wait_until(lambda: ready(a) == {"d-0", "d-1"}, 30, 0.1, "A's view to heal")
-        healed = time.monotonic() - healed_from
+        # A's view heals from Redis: both ready, with reports sent after the link came back.
+        wait_until(lambda: ready(a) == {"d-0", "d-1"} and _reported_since(a, "d-0", up_wall)
+                   and _reported_since(a, "d-1", up_wall), 30, 0.1, "A's view to heal")
+        healed = time.monotonic() - up_at
         load.wait_served(10)
 
     failures = load.failures()
-    print(f"\n[replicas] A cut: B routes d-0 again after {full_again:.2f} s; A's view healed {healed:.2f} s after "
-          f"link-up; failed requests through B: {len(failures)} of {len(load.snapshot())}")
+    print(f"\n[replicas] A cut: d-0 reports through B {moved_after:.2f} s after the cut (out of B's routing set for "
+          f"{gap:.2f} s meanwhile); A's view "
+          f"healed {healed:.2f} s after link-up; failed requests through B: {len(failures)} of {len(load.snapshot())}")
     assert not failures, [o.error for o in failures][:5]
-    assert _ask(a, 20) == {"d-0", "d-1"}
+    assert _ask(a, 5)  # and A serves again
