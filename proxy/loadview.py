@@ -130,9 +130,13 @@ class WorkerLoad:
         return self._pending_tokens
 
     def pending_prefill_tokens(self, now: float) -> int:
-        """Prompt tokens still to prefill of requests sent since the newest reading."""
+        """Prompt tokens to prefill of requests sent since the newest reading (some may be done)."""
         self._forget_before(now - DISPATCH_FORGET_AFTER_S)
         return self._pending_prefill
+
+    def oldest_pending_at(self) -> float | None:
+        """When the oldest request still counted as pending was sent (the engine has worked since)."""
+        return self._pending[0].at if self._pending else None
 
     def engine_backlog(self, now: float) -> int:
         """Requests the engine is estimated to hold waiting (not yet admitted) now.

@@ -6,8 +6,14 @@ fits no worker's context (400); which worker gets a request is the policy's.
 Holding beats sending only with late binding: when every candidate engine is already queueing
 (WorkerLoad.engine_backlog > 0: it reported requests waiting and not as many finished since as
 were sent), a request sent now waits in that one engine's queue, while a held one goes to the
-first engine that frees room. Otherwise the request is sent at once and the engine, which
-schedules every step, queues it if it must. A completion (`wake()` from Dispatcher.end), every
+first engine that frees room. A request whose prefix is cached somewhere goes to that worker's
+queue at once (a freed worker would prefill it again and evict for it: kv_cost prices that as
+delay to the saturated worker's later requests). Others are held only if predicted sooner: the fleet frees a
+slot every 1 / sum(running / turnover) seconds, so the k-th waiter starts after about k of
+those plus the prefill of its whole prompt (the freed worker may not hold its prefix); a request
+whose prefix owner will start it sooner than that is sent to it now (a policy without
+predictions is held). Otherwise the request is sent at once and the engine, which schedules
+every step, queues it if it must. A completion (`wake()` from Dispatcher.end), every
 report, registration, drain or removal (a registry listener) re-checks the head of each queue, and
 each release is followed by the released request's dispatch, which re-checks the next: a queue
 moves one request per freed slot, in arrival order, and a new arrival queues behind any waiter.
@@ -76,7 +82,8 @@ class AdmissionController:
             return None
         return await self._hold(policy, routed, served, tried)
 
-    def _decide(self, policy: Policy, routed: RoutedRequest, candidates: Sequence[Worker]) -> Decision | None:
+    def _decide(self, policy: Policy, routed: RoutedRequest, candidates: Sequence[Worker],
+                position: int = 0) -> Decision | None:
         """The policy's pick, or None when holding is predicted to start the request sooner."""
         now = self.registry.clock()
         high_water = self.config.kv_high_water
@@ -84,10 +91,34 @@ class AdmissionController:
             candidates = [w for w in candidates if w.load.projected_kv_usage(now) < high_water]
             if not candidates:
                 return None
+        if len(candidates) == 1:  # nothing to bind late to: the engine's own queue is as good
+            return policy.select(candidates, routed, now)
         for worker in candidates:
             if worker.load.engine_backlog(now) == 0:
                 return policy.select(candidates, routed, now)
-        return None  # every engine is queueing: bind late, to the first one that frees room
+        # every engine is queueing: bind late, to the first one that frees room, unless sending now
+        # is predicted to start it sooner (its prefix owner, say)
+        decision = policy.select(candidates, routed, now)
+        if decision.reason == "prefix_owner":
+            return decision  # its owner's queue: a freed worker would prefill it again and evict for it
+        if decision.predicted_ttft_s is None or decision.cold_prefill_s is None:
+            return None
+        held_s = (position + 1) * self._slot_interval_s(candidates, routed) + decision.cold_prefill_s
+        return decision if decision.predicted_ttft_s <= held_s else None
+
+    def _slot_interval_s(self, candidates: Sequence[Worker], routed: RoutedRequest) -> float:
+        """Seconds between two requests finishing somewhere in the fleet (each frees a slot)."""
+        rate = 0.0
+        for worker in candidates:
+            reading = worker.load.reading
+            running = reading.num_running if reading is not None else worker.load.in_flight
+            if self.estimator is not None:
+                turnover = self.estimator.for_worker(worker.worker_id).request_turnover_s(
+                    routed.expected_output_tokens)
+            else:
+                turnover = 1.0
+            rate += max(running, 1) / max(turnover, 1e-3)
+        return 1.0 / rate if rate > 0 else 0.0
 
     def _fitting(self, served: str, routed: RoutedRequest, tried: set[str]) -> list[Worker]:
         """Candidates whose max_model_len holds the request; 400 context_length_exceeded if none does."""

@@ -45,6 +45,7 @@ class Decision:
     media_tokens: int = 0  # of those, image/video tokens
     predicted_queue_s: float = 0.0
     predicted_ttft_s: float | None = None
+    cold_prefill_s: float | None = None  # the prefill of the whole prompt there (as on a worker without its prefix)
 
 
 @dataclass

@@ -12,9 +12,10 @@ candidate worker w whose cache holds its first c tokens (prefix index depth), ca
                                                           since that report, what w reports waiting
                                                           less what finished since)
 
-    queue(w)   = s_tok x (pending_prefill + W x u_bar)   # prompts ahead of it are prefilled first
-               + max(kv_wait, seq_wait)
-      kv_wait  = max(0, committed + n - K) / (max(used, kv_bar) / T)
+    queue(w)   = max(0, s_tok x pending_prefill - time since the first of them was sent)
+               + s_tok x W x u_bar                       # prompts ahead of it are prefilled first
+               + max(kv_wait, seq_wait)                  # (after they are admitted: the two add up)
+      kv_wait  = max(0, committed + n - K) / (max(used, kv_bar) / T)   (only while w reports waiters)
                  # KV frees as running requests finish: `used` tokens turn over every T seconds
       seq_wait = B x T / max(R, 1)
                  # w reports requests waiting (B of them still ahead, R running): one starts per
@@ -28,7 +29,15 @@ candidate worker w whose cache holds its first c tokens (prefix index depth), ca
                  # only once the cold free space is used up; each evicted hot token is prefilled
                  # again by a later request: that is the time this request costs others.
 
-    cost(w)    = ttft(w) + evict(w)
+    delay(w)   = B x (prefill(w) - bias)
+                 # while the fleet queues (B = the most waiting requests a candidate reported, or
+                 # w's own backlog if more) it is saturated: every second of prefill work placed on it is a
+                 # second later for the requests that queue behind, about B of them in steady state. This, not the momentary difference between
+                 # queues (noise of reports 250 ms apart), decides where a saturated fleet spends
+                 # prefill work, so hot prefixes are not copied around because one queue looked
+                 # shorter for an instant.
+
+    cost(w)    = ttft(w) + evict(w) + delay(w)
 
 The request goes to the lowest cost. Costs within RESOLUTION_S of each other are equal (the
 model is not more precise than that); ties go to the lowest projected KV usage (less preemption
@@ -40,7 +49,9 @@ prefill / KV tokens of recent requests sent to w; s_tok, s_vis, bias are learnt 
 Locality is explicit: a prompt whose prefix w holds is cheaper there by s_tok x c, and a cold
 prompt is dearer on a worker full of hot prefixes by evict(w). So a hot prefix stays with its
 owner until the owner's queue costs more than prefilling the prefix again elsewhere; then it is
-replicated on purpose (reason "replica"), never because of a tie.
+replicated on purpose (reason "replica"), never because of a tie. While the fleet is saturated,
+delay(w) makes that happen only when the owner's queue drains slower (T / R per request ahead)
+than the prefix is prefilled elsewhere: otherwise the copy would cost the fleet more than it saves.
 
 Scale: with more than SHORTLIST_ABOVE candidates only SHORTLIST random ones (power-of-d choices)
 plus every worker the prefix index names are scored, so a decision costs O(SHORTLIST + holders).
@@ -69,13 +80,14 @@ LEARN_MAX_QUEUE_SHARE = 0.25
 class Prediction:
     """The model's terms for one request on one worker (seconds, tokens)."""
 
-    __slots__ = ("queue_s", "prefill_s", "evict_s", "cached", "uncached", "media_uncached")
+    __slots__ = ("queue_s", "prefill_s", "evict_s", "delay_s", "cached", "uncached", "media_uncached")
 
-    def __init__(self, queue_s: float, prefill_s: float, evict_s: float, cached: int, uncached: int,
+    def __init__(self, queue_s: float, prefill_s: float, evict_s: float, delay_s: float, cached: int, uncached: int,
                  media_uncached: int) -> None:
         self.queue_s = queue_s
         self.prefill_s = prefill_s
         self.evict_s = evict_s
+        self.delay_s = delay_s
         self.cached = cached
         self.uncached = uncached
         self.media_uncached = media_uncached
@@ -86,11 +98,11 @@ class Prediction:
 
     @property
     def cost_s(self) -> float:
-        return self.queue_s + self.prefill_s + self.evict_s
+        return self.queue_s + self.prefill_s + self.evict_s + self.delay_s
 
 
 def predict(worker: Worker, model: WorkerModel, request: RoutedRequest, cached: int, hot_tokens: int,
-            now: float) -> Prediction:
+            now: float, fleet_waiting: int = 0) -> Prediction:
     """The module docstring's formulas for `request` on `worker`."""
     load = worker.load
     capacity = load.capacity_tokens
@@ -115,17 +127,25 @@ def predict(worker: Worker, model: WorkerModel, request: RoutedRequest, cached: 
     turnover = model.request_turnover_s(request.expected_output_tokens)
 
     bias, s_tok, s_vis = model.params()
-    queue = s_tok * (load.pending_prefill_tokens(now) + waiting * prefill_bar)
+    # what the proxy sent since the reading has been prefilled since the first of it arrived
+    oldest = load.oldest_pending_at()
+    pending_prefill_s = s_tok * load.pending_prefill_tokens(now)
+    if oldest is not None:
+        pending_prefill_s = max(0.0, pending_prefill_s - (now - oldest))
+    prefill_ahead = pending_prefill_s + s_tok * waiting * prefill_bar
     deficit = committed + need - capacity
-    kv_wait = deficit * turnover / max(used, kv_bar) if deficit > 0 else 0.0
+    # only an engine that says it cannot admit (requests waiting) makes a new one wait for KV: one
+    # that admits frees and allocates block by block faster than the proxy's estimates can follow
+    kv_wait = deficit * turnover / max(used, kv_bar) if deficit > 0 and (waiting or backlog) else 0.0
     seq_wait = backlog * turnover / max(running, 1) if backlog else 0.0
-    queue += max(kv_wait, seq_wait)
+    queue = prefill_ahead + max(kv_wait, seq_wait)
 
     free = capacity - committed
     evictable_hot = min(max(0, min(hot_tokens, capacity) - cached), max(0.0, free))
     evicted = min(evictable_hot, max(0.0, evictable_hot + need - free))
-    return Prediction(queue, bias + s_tok * uncached + s_vis * media_uncached, s_tok * evicted, cached, uncached,
-                      media_uncached)
+    work = s_tok * uncached + s_vis * media_uncached
+    saturation = max(backlog, fleet_waiting)
+    return Prediction(queue, bias + work, s_tok * evicted, saturation * work, cached, uncached, media_uncached)
 
 
 def cached_tokens(request: RoutedRequest, depth: int) -> int:
@@ -150,10 +170,13 @@ class KvCostPolicy(Policy):
         best_key: tuple[int, float, int] | None = None
         ties = 0
         predictions: dict[str, Prediction] = {}
+        # how saturated the fleet is: the longest queue a candidate reported (reports are 250 ms
+        # apart; under a closed loop the one that looks free now is the next to queue)
+        fleet_waiting = max((w.load.reading.num_waiting if w.load.reading is not None else 0) for w in pool)
         for worker in pool:
             wid = worker.worker_id
             pred = predict(worker, estimator.for_worker(wid), request, cached_tokens(request, depths.get(wid, 0)),
-                           index.hot_tokens(wid), now)
+                           index.hot_tokens(wid), now, fleet_waiting)
             predictions[wid] = pred
             key = (int(pred.cost_s / RESOLUTION_S), worker.load.projected_kv_usage(now), worker.load.in_flight)
             if best_key is None or key < best_key:
@@ -174,12 +197,15 @@ class KvCostPolicy(Policy):
             log.debug("model=%s prompt=%d media=%d output=%d -> %s (%s) | %s", request.model, request.prompt_tokens,
                       request.media_tokens, request.expected_output_tokens, best.worker_id, reason,
                       "; ".join(f"{wid}: ttft={p.ttft_s * 1000:.1f}ms (queue {p.queue_s * 1000:.1f} + prefill "
-                                f"{p.prefill_s * 1000:.1f}, cached {p.cached}) evict={p.evict_s * 1000:.1f}ms"
+                                f"{p.prefill_s * 1000:.1f}, cached {p.cached}) evict={p.evict_s * 1000:.1f}ms "
+                                f"delay={p.delay_s * 1000:.1f}ms"
                                 for wid, p in predictions.items()))
         kv_tokens = best_pred.uncached + request.expected_output_tokens
+        model = estimator.for_worker(best.worker_id)
         return Decision(best, reason, kv_tokens, {w: p.cost_s for w, p in predictions.items()},
                         prefill_tokens=best_pred.uncached, media_tokens=best_pred.media_uncached,
-                        predicted_queue_s=best_pred.queue_s, predicted_ttft_s=best_pred.ttft_s)
+                        predicted_queue_s=best_pred.queue_s, predicted_ttft_s=best_pred.ttft_s,
+                        cold_prefill_s=model.prefill_s(request.prompt_tokens, request.media_tokens))
 
     def _shortlist(self, candidates: Sequence[Worker], depths: dict[str, int]) -> Sequence[Worker]:
         if len(candidates) <= SHORTLIST_ABOVE:

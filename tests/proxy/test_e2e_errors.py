@@ -79,8 +79,9 @@ def test_aliases_from_the_config_reach_the_served_model_and_are_listed(fleet):
 
 def test_while_every_engine_is_queueing_the_proxy_holds_then_429_when_full_and_503_after_the_wait(fleet):
     fleet.start_proxy(config=CONFIG)
-    (sim,) = fleet.start_sims(1, register=False)
+    sim, sim2 = fleet.start_sims(2, register=False)
     fleet.register("busy", sim.url)
+    fleet.register("busy2", sim2.url)
 
     async def two_requests() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=30) as client:
@@ -90,7 +91,8 @@ def test_while_every_engine_is_queueing_the_proxy_holds_then_429_when_full_and_5
             second = await client.post(fleet.url + "/v1/chat/completions", json=body)
             return [await first, second]
 
-    with FakeReports(fleet, {"busy": (sim.url, 0.95, 4)}):  # the engine says 4 requests wait for room
+    # both engines say 4 requests wait for room: the proxy holds, to bind late to the first that frees
+    with FakeReports(fleet, {"busy": (sim.url, 0.95, 4), "busy2": (sim2.url, 0.95, 4)}):
         started = time.monotonic()
         waited, rejected = asyncio.run(two_requests())
         elapsed = time.monotonic() - started
@@ -102,9 +104,11 @@ def test_while_every_engine_is_queueing_the_proxy_holds_then_429_when_full_and_5
 
 def test_a_queued_request_is_served_once_a_worker_has_room_again(fleet):
     fleet.start_proxy(config=CONFIG)
-    (sim,) = fleet.start_sims(1, register=False)
+    sim, sim2 = fleet.start_sims(2, register=False)
     fleet.register("busy", sim.url)
+    fleet.register("busy2", sim2.url)
     fleet.report("busy", sim.url, 0.95, waiting=4)
+    fleet.report("busy2", sim2.url, 0.95, waiting=4)
 
     async def request_then_free_room() -> httpx.Response:
         async with httpx.AsyncClient(timeout=30) as client:

@@ -67,9 +67,13 @@ def test_a_hot_prefix_stays_with_its_owner_then_gets_a_replica_only_when_that_is
     # tokens elsewhere costs more than it saves
     owner.load.record_reading(EngineReading(0.7, 40, 0, 100_000), NOW, "report")
     assert send(pol, [a, b], request("q6", SYSTEM)).worker is owner
-    # now its engine queues 30 requests: waiting for them costs more than a second prefill
+    # it queues 30 requests behind 40 running: each of them starts sooner than a prefill elsewhere
+    # would take, and the fleet is saturated: a copy would cost more than it saves
     owner.load.record_reading(EngineReading(0.95, 40, 30, 100_000), NOW, "report")
-    decision = send(pol, [a, b], request("q7", SYSTEM))
+    assert send(pol, [a, b], request("q7", SYSTEM)).worker is owner
+    # now 30 wait behind 4 long generations: the queue drains slower than the prefix prefills elsewhere
+    owner.load.record_reading(EngineReading(0.95, 4, 30, 100_000), NOW, "report")
+    decision = send(pol, [a, b], request("q8", SYSTEM))
     assert decision.worker is other and decision.reason == "replica"
     assert decision.scores[owner.worker_id] > decision.scores[other.worker_id]
 
