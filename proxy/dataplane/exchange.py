@@ -77,7 +77,7 @@ class Exchange:
     __slots__ = ("client", "mode", "extra", "timeouts", "loop", "future", "conn", "parser", "state", "status",
                  "headers", "parts", "size", "out", "complete", "interim", "sse", "framing", "first_byte_at",
                  "last_activity", "first_byte_deadline", "timer", "got_head", "paused", "ends_clean",
-                 "head_request", "close_delimited", "total_deadline")
+                 "head_request", "close_delimited", "total_deadline", "keep_alive", "index", "held_head")
 
     def __init__(self, client: Client, mode: int, extra_headers: bytes, timeouts: Timeouts,
                  head_request: bool = False) -> None:
@@ -98,10 +98,13 @@ class Exchange:
         self.state = _HEAD
         self.status = 0
         self.headers: http.Headers = []
+        self.index: dict[bytes, bytes] = {}
         self.parts: list[bytes] = []
         self.size = 0
         self.out: list[bytes] = []
+        self.held_head = b""
         self.complete = False
+        self.keep_alive = False
         self.interim = False
         self.sse = False
         self.framing = _NO_BODY
@@ -156,9 +159,9 @@ class Exchange:
             return
         self.status = status
         self.got_head = True
-        headers = self.headers
-        has_length = http.header_value(headers, b"content-length") is not None
-        te = http.header_value(headers, b"transfer-encoding")
+        index = self.index = {name.lower(): value for name, value in self.headers}
+        has_length = b"content-length" in index
+        te = index.get(b"transfer-encoding")
         self.close_delimited = (not has_length and (te is None or b"chunked" not in te.lower())
                                 and status not in (204, 304) and not self.head_request)
         if self.mode == PASS:
@@ -168,8 +171,7 @@ class Exchange:
             return
         if status >= 500 or status == 429:
             self.state = _ERROR_BODY
-        elif self.mode == STREAM and (http.header_value(headers, b"content-type") or b"").startswith(
-                b"text/event-stream"):
+        elif self.mode == STREAM and index.get(b"content-type", b"").startswith(b"text/event-stream"):
             self.sse = True
             self.state = _FIRST
         else:
@@ -196,6 +198,8 @@ class Exchange:
             self.interim = False
             return
         self.complete = True
+        # llhttp forgets the connection's flags once this callback returns: ask now
+        self.keep_alive = self.parser.should_keep_alive()
 
     # --- the upstream connection's events -------------------------------------------------------
     def upstream_data(self, data: bytes) -> None:
@@ -207,10 +211,10 @@ class Exchange:
         except HttpParserError as exc:
             self._fail(False, f"an unreadable response ({exc})")
             return
-        if self.out:
-            self._flush()
         if self.complete:
             self._finish()
+        elif self.out or self.held_head:  # a head alone goes out too: an event stream may be quiet a while
+            self._flush()
 
     def upstream_eof(self) -> None:
         self.upstream_lost(None)
@@ -220,8 +224,6 @@ class Exchange:
             return
         if self.close_delimited and self.got_head and not self.complete:
             self.complete = True  # the body was framed by the connection's end
-            if self.out:
-                self._flush()
             self._finish()
             return
         self._fail(False, f"{type(exc).__name__}: {exc}" if exc else "the worker closed the connection")
@@ -306,7 +308,7 @@ class Exchange:
         else:
             end = b""
         if self.head_request:
-            value = http.header_value(self.headers, b"content-length")
+            value = self.index.get(b"content-length")
             end = b"Content-Length: " + value + b"\r\n" if value is not None else b""
         if not client.keep_alive:
             end += b"Connection: close\r\n"
@@ -317,7 +319,7 @@ class Exchange:
         client = self.client
         self.state = _RELAY
         self.first_byte_at = time.monotonic()
-        length_value = http.header_value(self.headers, b"content-length")
+        length_value = self.index.get(b"content-length")
         if self.head_request or self.status in (204, 304):
             framing = _NO_BODY
         elif self.mode == PASS and length_value is not None and not self.close_delimited:
@@ -328,24 +330,32 @@ class Exchange:
             framing = _CLOSE
             client.keep_alive = False
         self.framing = framing
-        if not client.closed:
-            client.transport.write(self._head(framing, int(length_value) if framing == _LENGTH else 0))
+        # written with the first piece of body (one send instead of two; see _flush)
+        self.held_head = self._head(framing, int(length_value) if framing == _LENGTH else 0)
         self._rearm_idle()
 
-    def _flush(self) -> None:
+    def _flush(self, last: bool = False) -> None:
+        """Write what arrived (and a held head, and with `last` the end of the body) in one send."""
+        parts = []
+        if self.held_head:
+            parts.append(self.held_head)
+            self.held_head = b""
         out = self.out
-        data = out[0] if len(out) == 1 else b"".join(out)
-        self.out = []
-        if self.sse:
-            self.ends_clean = data.endswith(b"\n\n")
-        if self.client.closed:
-            return
-        self.client.transport.write(http.chunk(data) if self.framing == _CHUNKED else data)
+        if out:
+            data = out[0] if len(out) == 1 else b"".join(out)
+            self.out = []
+            if self.sse:
+                self.ends_clean = data.endswith(b"\n\n")
+            parts.append(http.chunk(data) if self.framing == _CHUNKED else data)
+        if last and self.framing == _CHUNKED:
+            parts.append(http.LAST_CHUNK)
+        if parts and not self.client.closed:
+            self.client.transport.write(parts[0] if len(parts) == 1 else b"".join(parts))
 
     def _finish(self) -> None:
         """The worker's response is complete: answer the client if not yet done, free the connection."""
         state = self.state
-        keep = self.parser.should_keep_alive() and not self.close_delimited and not self.head_request
+        keep = self.keep_alive and not self.close_delimited and not self.head_request
         self.state = _DONE
         if self.timer is not None:
             self.timer.cancel()
@@ -360,14 +370,13 @@ class Exchange:
         client = self.client
         if state == _ERROR_BODY:
             status = self.status
-            retry_after = http.header_value(self.headers, b"retry-after")
+            retry_after = self.index.get(b"retry-after")
             outcome: Retryable | Relayed = Retryable(
                 f"status_{status}", f"worker answered HTTP {status}", status, b"".join(self.parts),
-                (http.header_value(self.headers, b"content-type") or b"").decode("latin-1") or None,
+                (self.index.get(b"content-type") or b"").decode("latin-1") or None,
                 retry_after.decode("latin-1") if retry_after is not None else None)
         elif state == _RELAY:
-            if self.framing == _CHUNKED and not client.closed:
-                client.transport.write(http.LAST_CHUNK)
+            self._flush(last=True)
             outcome = Relayed(self.status, self.first_byte_at, client_gone=client.closed)
         else:  # _BUFFER or _FIRST: the whole answer at once
             body = b"".join(self.parts)
@@ -381,7 +390,7 @@ class Exchange:
         """The worker failed (closed, broke the framing, or went silent): retry, or end the client's answer."""
         state = self.state
         reused = self.conn is not None and self.conn.reused
-        if self.out:
+        if self.out or self.held_head:
             self._flush()
         self._stop()
         status = self.status

@@ -47,7 +47,7 @@ class IncomingRequest:
     """One client request, as parsed: head fields, body pieces, and a refusal if it cannot be served."""
 
     __slots__ = ("url", "headers", "method", "http11", "keep_alive", "kind", "parts", "size", "started",
-                 "refusal", "refusal_direct", "principal", "header_bytes")
+                 "refusal", "refusal_direct", "principal", "header_bytes", "index")
 
     def __init__(self) -> None:
         self.url = b""
@@ -63,9 +63,13 @@ class IncomingRequest:
         self.refusal_direct = False  # answered by the server itself, not counted by the journey
         self.principal = None
         self.header_bytes = 0
+        self.index: dict[bytes, bytes] | None = None
 
     def header(self, lower_name: bytes) -> bytes | None:
-        return http.header_value(self.headers, lower_name)
+        index = self.index
+        if index is None:  # built once, on the first question (the last value of a repeated name wins)
+            index = self.index = {name.lower(): value for name, value in self.headers}
+        return index.get(lower_name)
 
     def body(self) -> bytes:
         """The whole body (once: a body that came in pieces is handed over and its buffer let go)."""

@@ -4,7 +4,7 @@
 length (JSON echo of what arrived, Content-Length), chunked (SSE, chunked), close (SSE framed by
 the connection's end), close-json, interim (a 103 before the echo), hop (hop-by-hop response
 headers), flood (SSE of x-flood-bytes bytes, written as fast as the reader takes them).
-GET /progress: bytes the flood has written so far. Any other GET: 200 "ok".
+GET /progress: bytes the flood has written so far, connections that carried a POST. Any other GET: 200 "ok".
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import socket
 import sys
 
-progress = {"flood_bytes": 0, "flood_done": False}
+progress = {"flood_bytes": 0, "flood_done": False, "post_connections": 0}
 
 
 async def read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
@@ -47,6 +47,7 @@ SSE_EVENTS = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"]
 
 
 async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    posted = False
     try:
         while True:
             try:
@@ -63,6 +64,9 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
                 writer.write(length_response(text))
                 await writer.drain()
                 continue
+            if not posted:
+                posted = True
+                progress["post_connections"] += 1
             mode = headers.get("x-test-mode", "length")
             if mode == "length":
                 writer.write(length_response(echo(request_line, pairs, body)))

@@ -284,6 +284,17 @@ def test_each_upstream_framing_reaches_the_client_whole_and_the_connection_stays
         c.close()
 
 
+def test_the_proxy_reuses_its_connection_to_the_worker_across_requests(fleet, raw):
+    c = client(fleet)
+    try:
+        for mode, stream in [("length", False), ("chunked", True)] * 4:
+            c.send(chat(mode, stream=stream))
+            assert c.read_response().status == 200
+    finally:
+        c.close()
+    assert httpx.get(raw + "/progress", timeout=5).json()["post_connections"] == 1
+
+
 # --- headers -------------------------------------------------------------------------------------
 def test_hop_by_hop_headers_and_client_credentials_are_not_forwarded_either_way(fleet, raw):
     c = client(fleet)
