@@ -98,36 +98,47 @@ def start_visible(registry, clock, wid: str, count: int):
 
 def test_waiters_leave_in_arrival_order_one_per_completion_with_no_timer():
     async def scenario():
-        clock, registry, admission, policy = setup({"a": None}, queue={"max_length": 8, "max_wait_s": 3600})
-        running = start_visible(registry, clock, "a", 4)
-        report(registry, "a", 1.0, running=2, waiting=2)  # the engine queues: late binding wins
+        clock, registry, admission, policy = setup({"a": None, "b": None},
+                                                   queue={"max_length": 8, "max_wait_s": 3600})
+        running = {wid: start_visible(registry, clock, wid, 2) for wid in ("a", "b")}
+        for wid in ("a", "b"):  # both engines queue one request: the first of them to free one wins
+            report(registry, wid, 1.0, running=2, waiting=1)
         tasks = [asyncio.create_task(admission.admit(policy, chat(f"q{i}"), "m", set(), True)) for i in range(3)]
         await turns()
         assert admission.queue_lengths() == {"m": 3} and not any(t.done() for t in tasks)
-        load = registry.get("a").load
-        released_at: dict[int, int] = {}  # waiter -> the completion that released it
-        for k, finished in enumerate(running, start=1):
-            load.finish_request(finished)   # what Dispatcher.end() does ...
-            admission.wake()                # ... and then this
+        released: dict[int, tuple[int, str]] = {}  # waiter -> (the completion that released it, where to)
+        completions = [("a", running["a"][0]), ("b", running["b"][0]), ("a", running["a"][1])]
+        for k, (wid, finished) in enumerate(completions, start=1):
+            registry.get(wid).load.finish_request(finished)   # what Dispatcher.end() does ...
+            admission.wake()                                   # ... and then this
             await turns()
             for i, task in enumerate(tasks):
-                if task.done() and i not in released_at:  # it is sent: Dispatcher.begin()'s accounting + wake
-                    released_at[i] = k
-                    load.start_request(100, clock.now)
+                if task.done() and i not in released:  # it is sent: Dispatcher.begin()'s accounting + wake
+                    decision = task.result()
+                    released[i] = (k, decision.worker.worker_id)
+                    decision.worker.load.start_request(100, clock.now)
                     admission.wake()
             await turns()
-        # the first 2 completions let in the 2 requests the engine had waiting; then one waiter per
-        # completion, first come first served
-        assert released_at == {0: 2, 1: 3, 2: 4}, released_at
+        # each completion let the engine take the one it had waiting, then the proxy's head (late
+        # binding: to the worker that freed), first come first served
+        assert released == {0: (1, "a"), 1: (2, "b"), 2: (3, "a")}, released
         assert admission.queue_lengths() == {"m": 0}
 
     asyncio.run(scenario())
 
 
+def test_with_one_engine_sending_now_is_as_good_as_holding_so_nothing_is_held():
+    _, registry, admission, policy = setup({"a": None})
+    report(registry, "a", 1.0, running=2, waiting=1)
+    assert admit_without_suspending(admission, policy, chat()).worker.worker_id == "a"
+
+
 def test_a_new_arrival_queues_behind_a_waiter_even_when_a_worker_just_freed():
     async def scenario():
-        clock, registry, admission, policy = setup({"a": None}, queue={"max_length": 8, "max_wait_s": 3600})
+        clock, registry, admission, policy = setup({"a": None, "b": None},
+                                                   queue={"max_length": 8, "max_wait_s": 3600})
         report(registry, "a", 1.0, running=2, waiting=3)
+        report(registry, "b", 1.0, running=2, waiting=3)
         first = asyncio.create_task(admission.admit(policy, chat("first"), "m", set(), True))
         await turns()
         registry.get("a").load.reading.num_waiting = 0  # room, but no event has said so yet
@@ -146,8 +157,9 @@ def test_a_new_arrival_queues_behind_a_waiter_even_when_a_worker_just_freed():
 
 def test_the_queue_is_bounded_429_when_full_and_503_with_retry_after_past_the_wait():
     async def scenario():
-        _, registry, admission, policy = setup({"a": None}, queue={"max_length": 1, "max_wait_s": 0.05})
+        _, registry, admission, policy = setup({"a": None, "b": None}, queue={"max_length": 1, "max_wait_s": 0.05})
         report(registry, "a", 1.0, running=2, waiting=3)
+        report(registry, "b", 1.0, running=2, waiting=3)
         held = asyncio.create_task(admission.admit(policy, chat(), "m", set(), True))
         await turns()
         with pytest.raises(ProxyError) as full:
