@@ -22,7 +22,7 @@ from proxy.config import ProxyConfig
 from proxy.errors import error_response
 from proxy.monitor import HealthMonitor
 from proxy.protocol import LoadReport, RegistrationAccepted, WorkerRegistration
-from proxy.registry import Registry, Worker, worker_id_from_url
+from proxy.registry import Registry, Worker, WorkerState, worker_id_from_url
 from proxy.security import peer
 from proxy.security.controlauth import ADMIN_WHAT, Caller, ControlAuth, new_secret, secret_hash
 from proxy.security.networks import IPNetwork, WorkerUrlRefused, check_worker_url, parse_networks
@@ -96,10 +96,18 @@ def _access(request: web.Request) -> _Access:
     return request[_ACCESS]
 
 
-def _may_replace(access: _Access, holders: list[Worker], now: float) -> Worker | None:
-    """The first live worker this caller may not displace, or None."""
+def _may_replace(access: _Access, holders: list[Worker], now: float, worker_id: str, url: str) -> Worker | None:
+    """The first live worker this caller may not displace, or None.
+
+    A worker that went silent and comes back under the same id AND the same URL (a restart that lost
+    its secret) takes its entry back at once: no traffic can move anywhere by that, so it need not
+    wait out the takeover delay that guards against redirecting a worker's requests."""
+    url = url.rstrip("/")
     for holder in holders:
         if access.caller.admin or access.caller.owns(holder.secret_hash) or holder.replaceable(now):
+            continue
+        if (holder.worker_id == worker_id and holder.url == url
+                and holder.state(now) in (WorkerState.STALE, WorkerState.UNHEALTHY)):
             continue
         return holder
     return None
@@ -153,7 +161,7 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
         if (refused := await _refuse_url(request, reg.url)) is not None:
             return refused
         holders = registry.holders(worker_id, reg.url)  # again: the address check awaited
-        if (holder := _may_replace(access, holders, registry.clock())) is not None:
+        if (holder := _may_replace(access, holders, registry.clock(), worker_id, reg.url)) is not None:
             return _conflict(holder)
         secret = new_secret()
         worker = registry.register(reg, secret_hash=secret_hash(secret))
@@ -225,7 +233,7 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
         # LMDeploy re-announcing the same URL (a restart) refreshes its entry; anything else live is kept.
         holders = [h for h in registry.holders(worker_id, url)
                    if not (h.source == "nodes" and h.url == url.rstrip("/") and h.worker_id == worker_id)]
-        if (holder := _may_replace(access, holders, registry.clock())) is not None:
+        if (holder := _may_replace(access, holders, registry.clock(), worker_id, url)) is not None:
             return _conflict(holder)
         previous = registry.get(worker_id)
         was_drained = previous is not None and previous.drain_requested

@@ -22,6 +22,7 @@ from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 from proxy.app import REGISTRY_KEY, build_app
 from proxy.config import parse_config
 from proxy.fleet.api import add_fleet_routes
+from proxy.protocol import STALE_AFTER_S
 from proxy.registry import TAKEOVER_AFTER_S
 from proxy.security import peer
 from proxy.security.controlauth import presented_token, startup_problem
@@ -255,6 +256,24 @@ async def test_a_silent_worker_may_be_taken_over_after_a_while(make_proxy):
     assert status == 200 and registry.get("b").url == "http://127.0.0.1:9012"
     old = proxy.report_body("b", "http://127.0.0.1:9002", 1)
     assert (await proxy.call("POST", "/workers/b/report", token=b["worker_secret"], json=old))[0] == 401
+
+
+async def test_a_restarted_worker_takes_back_its_own_id_and_url_once_it_went_stale(make_proxy):
+    proxy = await make_proxy(TOKENS)
+    _, b = await proxy.register("b", "http://127.0.0.1:9002", token=WORKER_TOKEN)
+    registry = proxy.app[REGISTRY_KEY]
+    await proxy.call("POST", "/workers/b/report", token=b["worker_secret"],
+                     json=proxy.report_body("b", "http://127.0.0.1:9002", 1))
+    # Killed: its last report is older than the stale window, but not the takeover delay.
+    registry.get("b").load.reading_at -= STALE_AFTER_S + 0.5
+    assert not registry.get("b").replaceable(registry.clock())
+    # Its restart lost the secret; same id and URL is no hijack, so it is taken back at once...
+    status, again = await proxy.register("b", "http://127.0.0.1:9002", token=WORKER_TOKEN)
+    assert status == 200 and again["worker_secret"] != b["worker_secret"]
+    # ...but the same stale entry is still not given to another URL before the delay.
+    registry.get("b").load.reading_at = None
+    registry.get("b").registered_mono -= STALE_AFTER_S + 0.5
+    assert (await proxy.register("b", "http://127.0.0.1:6666", token=WORKER_TOKEN))[0] == 409
 
 
 async def test_a_forged_report_cannot_make_genuine_reports_look_old(make_proxy):
