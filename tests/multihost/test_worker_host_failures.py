@@ -88,10 +88,12 @@ def test_losing_a_worker_machine_mid_load_disturbs_only_what_ran_there(net, tmp_
         assert b.kill_all(), "nothing ran on host b"
         wait_until(lambda: not (_routable(a, "b-0") or _routable(a, "b-1")), STALE_AFTER_S + 5, 0.05,
                    "b's workers to leave the routing set")
-        gone_after = time.monotonic() - killed_at
-        load.wait_served(30)
+        gone_at = time.monotonic()
+        gone_after = gone_at - killed_at
+        wait_until(lambda: sum(o.error is None and o.started > gone_at for o in load.snapshot()) >= 20, 30, 0.05,
+                   "20 requests sent after the loss to be served")
         settled = time.monotonic()
-        served_after = {o.worker for o in load.snapshot() if o.error is None and o.started > killed_at + 0.5}
+        served_after = {o.worker for o in load.snapshot() if o.error is None and o.started > gone_at}
 
     in_flight = [o for o in load.snapshot() if o.started <= killed_at <= o.ended]
     failed_in_flight = [o for o in in_flight if o.error]
@@ -99,7 +101,6 @@ def test_losing_a_worker_machine_mid_load_disturbs_only_what_ran_there(net, tmp_
     print(f"\n[machine loss] b's workers out of the routing set after {gone_after:.2f} s; in flight at the kill: "
           f"{len(in_flight)}, failed: {len(failed_in_flight)}; failed requests sent after the kill: "
           f"{len(failed_later)}; {len(load.snapshot())} requests in all")
-    assert gone_after <= STALE_AFTER_S + 2.0
+    assert gone_after <= STALE_AFTER_S + 2.0, f"b's workers were still routable {gone_after:.2f} s after the loss"
     assert not failed_later, [o.error for o in failed_later][:5]  # requests sent after the loss all succeed
-    assert served_after == {"c-0"}
-    assert _routable(a, "c-0")
+    assert served_after == {"c-0"}, served_after  # the machine left untouched kept serving
