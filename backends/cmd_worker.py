@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8100, help="port of the worker's OpenAI server; 0 = any free port")
     p.add_argument("--advertise-url", default=None,
-                   help="URL the proxy should use to reach this worker (default http://HOST:PORT)")
+                   help="URL the proxy should use to reach this worker (default http://HOST:PORT; with --host "
+                        "0.0.0.0, HOST is the address this machine's route to the proxy leaves from)")
     p.add_argument("--served-model-name", default=None, help="model name clients ask for")
     p.add_argument("--proxy-url", default=os.environ.get("KVROUTE_PROXY_URL"), action=_ProxyUrls,
                    help="register with this proxy and report load to it (env KVROUTE_PROXY_URL); several "
