@@ -47,7 +47,7 @@ class IncomingRequest:
     """One client request, as parsed: head fields, body pieces, and a refusal if it cannot be served."""
 
     __slots__ = ("url", "headers", "method", "http11", "keep_alive", "kind", "parts", "size", "started",
-                 "refusal", "refusal_direct", "principal", "header_bytes", "index")
+                 "refusal", "refusal_direct", "principal", "header_bytes", "index", "reserved", "expect_continue")
 
     def __init__(self) -> None:
         self.url = b""
@@ -64,6 +64,8 @@ class IncomingRequest:
         self.principal = None
         self.header_bytes = 0
         self.index: dict[bytes, bytes] | None = None
+        self.reserved = 0  # body bytes held against proxy.limits.max_buffered_body_bytes
+        self.expect_continue = False
 
     def header(self, lower_name: bytes) -> bytes | None:
         index = self.index
@@ -80,6 +82,50 @@ class IncomingRequest:
         if isinstance(body, bytearray):
             body = parts[0] = bytes(body)
         return body
+
+
+class BodyBudget:
+    """Bytes of request bodies held at once, all connections together (proxy.limits.max_buffered_body_bytes).
+    A body that does not fit waits, FIFO, up to `wait_s` with its connection's reading paused; then 503."""
+
+    def __init__(self, capacity: int, wait_s: float) -> None:
+        self.capacity = capacity
+        self.wait_s = wait_s
+        self.held = 0
+        self.waiting: deque[tuple[ClientConnection, asyncio.TimerHandle]] = deque()
+
+    def take(self, nbytes: int) -> bool:
+        nbytes = min(nbytes, self.capacity)
+        if self.waiting or self.held + nbytes > self.capacity:
+            return False
+        self.held += nbytes
+        return True
+
+    def wait(self, conn: ClientConnection) -> None:
+        timer = conn.loop.call_later(self.wait_s, self._timed_out, conn)
+        self.waiting.append((conn, timer))
+
+    def give_back(self, nbytes: int) -> None:
+        self.held -= min(nbytes, self.capacity)
+        while self.waiting:
+            conn, timer = self.waiting[0]
+            need = min(conn.budget_need, self.capacity)
+            if self.held + need > self.capacity:
+                return
+            self.waiting.popleft()
+            timer.cancel()
+            self.held += need
+            conn.budget_granted()
+
+    def forget(self, conn: ClientConnection) -> None:
+        for entry in list(self.waiting):
+            if entry[0] is conn:
+                entry[1].cancel()
+                self.waiting.remove(entry)
+
+    def _timed_out(self, conn: ClientConnection) -> None:
+        self.forget(conn)
+        conn.budget_timed_out()
 
 
 class _Refused(Exception):
@@ -104,6 +150,7 @@ class DataPlane:
         self.internal_timeouts = proxy_cfg.timeouts.model_copy(update={"idle_s": INTERNAL_IDLE_S, "total_s": None})
         self.hop_secret = hop_secret.encode()
         self.connections: set[ClientConnection] = set()
+        self.body_budget = BodyBudget(self.limits.max_buffered_body_bytes, self.limits.buffered_body_wait_s)
         self.server: asyncio.Server | None = None
         self.shutting_down = False  # set by begin_shutdown(): new completions get 503 shutting_down
         self.shutting_down_response = http.error_response(shutting_down(), {}, False)
@@ -164,7 +211,7 @@ class ClientConnection(asyncio.Protocol):
 
     __slots__ = ("plane", "loop", "transport", "parser", "request", "pending", "busy", "task", "exchange",
                  "http11", "keep_alive", "closed", "write_blocked_since", "reading_paused", "broken", "peer",
-                 "timer", "timer_at", "wait_kind", "wait_since", "counted")
+                 "timer", "timer_at", "wait_kind", "wait_since", "counted", "current", "reserved", "budget_need")
 
     def __init__(self, plane: DataPlane) -> None:
         self.plane = plane
@@ -188,6 +235,9 @@ class ClientConnection(asyncio.Protocol):
         self.wait_kind = _NOTHING
         self.wait_since = 0.0
         self.counted = False
+        self.current: IncomingRequest | None = None  # being answered
+        self.reserved = 0      # body bytes this connection holds against the budget
+        self.budget_need = 0   # waiting for this much room in the budget
 
     # --- asyncio.Protocol ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -242,6 +292,12 @@ class ClientConnection(asyncio.Protocol):
             self.exchange.client_lost()
         elif self.task is not None:
             self.task.cancel()
+        if self.reserved:  # bodies of requests never answered
+            self.plane.body_budget.give_back(self.reserved)
+            self.reserved = 0
+        if self.budget_need:
+            self.plane.body_budget.forget(self)
+            self.budget_need = 0
 
     def pause_writing(self) -> None:
         self.write_blocked_since = self.loop.time()
@@ -301,9 +357,47 @@ class ClientConnection(asyncio.Protocol):
         if length is not None and int(length) > plane.max_body:
             raise _Refused(_too_large(plane.max_body), kind is None)
         expect = req.header(b"expect")
-        if expect is not None and expect.lower() == b"100-continue" and req.http11 and not self.busy:
-            self.transport.write(http.CONTINUE)
+        req.expect_continue = (expect is not None and expect.lower() == b"100-continue" and req.http11
+                               and not self.busy)
         self._wait(_BODY, self.loop.time())
+        if length is None and req.header(b"transfer-encoding") is None:
+            return  # no body
+        need = int(length) if length is not None else plane.max_body
+        if need and not plane.body_budget.take(need):
+            # Bodies in memory are at the budget: this one waits (reading paused) for room, then 503.
+            self.budget_need = need
+            self.transport.pause_reading()
+            plane.body_budget.wait(self)
+            return
+        self._reserved(need)
+
+    def _reserved(self, need: int) -> None:
+        req = self.request
+        req.reserved = need
+        self.reserved += need
+        if req.expect_continue:
+            self.transport.write(http.CONTINUE)
+
+    def budget_granted(self) -> None:
+        """The body budget has room for the request waiting on it (BodyBudget took it for us)."""
+        need, self.budget_need = self.budget_need, 0
+        if self.closed or self.request is None:  # gone, or its body had come with its head after all
+            self.plane.body_budget.give_back(need)
+        else:
+            self._reserved(need)
+        if not self.closed and not self.reading_paused and not self.broken:
+            self.transport.resume_reading()
+
+    def budget_timed_out(self) -> None:
+        self.budget_need = 0
+        if self.closed:
+            return
+        if self.request is None:
+            if not self.reading_paused and not self.broken:
+                self.transport.resume_reading()
+            return
+        self._refuse(ProxyError(503, "The proxy holds as many request bodies as it may right now; retry shortly.",
+                                "service_unavailable", code="body_memory_full", headers={"Retry-After": "1"}), True)
 
     def on_body(self, body: bytes) -> None:
         req = self.request
@@ -359,6 +453,7 @@ class ClientConnection(asyncio.Protocol):
                 self.transport.resume_reading()
             return
         req = self.pending.popleft()
+        self.current = req
         self.busy = True
         self.http11 = req.http11
         self.keep_alive = req.keep_alive
@@ -390,6 +485,11 @@ class ClientConnection(asyncio.Protocol):
         """The answer to the current request is written: close, or go on with the next one."""
         self.task = None
         self.busy = False
+        current, self.current = self.current, None
+        if current is not None and current.reserved:
+            self.reserved -= current.reserved
+            self.plane.body_budget.give_back(current.reserved)
+            current.reserved = 0
         if self.closed:
             return
         if not self.keep_alive or self.plane.shutting_down:

@@ -312,8 +312,6 @@ def test_connections_over_the_cap_get_a_503_and_the_held_ones_still_work(fleet):
     wait_until(lambda: httpx.get(fleet.url + "/health").status_code == 200, 10, what="room again")
 
 
-# The fast data plane does not hold its bodies against proxy.limits.max_buffered_body_bytes yet.
-@pytest.mark.parametrize("fleet", ["aiohttp"], indirect=True)
 def test_bodies_over_the_memory_budget_wait_then_get_503(fleet):
     mib = 1024 * 1024
     fleet.start_proxy(config="proxy: {queue: {max_wait_s: 0.1}, limits: {max_buffered_body_bytes: 1048576, buffered_body_wait_s: 0.5}}\n"
