@@ -148,6 +148,7 @@ class Load:
     url: str
     concurrency: int = 4
     max_tokens: int = 8
+    stream_every: int = 0  # every Nth request of a client streams (0: none)
     outcomes: list[Outcome] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -177,13 +178,29 @@ class Load:
                         "messages": [{"role": "user", "content": f"client {i} request {n}"}]}
                 started = time.monotonic()
                 try:
-                    r = client.post(f"{self.url}/v1/chat/completions", json=body)
-                    worker = r.headers.get("x-kvroute-worker")
-                    error = None if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:200]}"
+                    if self.stream_every and n % self.stream_every == 0:
+                        worker, error = self._stream(client, body)
+                    else:
+                        r = client.post(f"{self.url}/v1/chat/completions", json=body)
+                        worker = r.headers.get("x-kvroute-worker")
+                        error = None if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:200]}"
                 except httpx.HTTPError as exc:
                     worker, error = None, f"{type(exc).__name__}: {exc}"
                 with self._lock:
                     self.outcomes.append(Outcome(started, time.monotonic(), worker, error))
+
+    def _stream(self, client: httpx.Client, body: dict[str, Any]) -> tuple[str | None, str | None]:
+        with client.stream("POST", f"{self.url}/v1/chat/completions", json={**body, "stream": True}) as r:
+            worker = r.headers.get("x-kvroute-worker")
+            if r.status_code != 200:
+                return worker, f"HTTP {r.status_code}: {r.read()[:200]!r}"
+            lines = [line for line in r.iter_lines() if line]
+            if not lines or lines[-1] != "data: [DONE]":
+                return worker, f"stream broken after {len(lines)} lines"
+            errors = [line for line in lines if line.startswith('data: {"error"')]
+            if errors:  # the proxy ends a stream its worker broke with an error event, then [DONE]
+                return worker, f"stream failed mid-way after {len(lines)} lines: {errors[0][:200]}"
+            return worker, None
 
     def snapshot(self) -> list[Outcome]:
         with self._lock:

@@ -77,15 +77,17 @@ def test_a_partitioned_worker_host_is_dropped_within_the_stale_window_and_taken_
 def test_losing_a_worker_machine_mid_load_disturbs_only_what_ran_there(net, tmp_path):
     a, b, c = net["a"], net["b"], net["c"]
     start_proxy(a, proxy_config(tmp_path))
-    start_sim(b, [a], "b-0")
-    start_sim(b, [a], "b-1", port=8102)
-    start_sim(c, [a], "c-0")
+    # Real-time engines (time scale 1, ~4 ms a token): 200-token streams are cut mid-way.
+    start_sim(b, [a], "b-0", time_scale=1)
+    start_sim(b, [a], "b-1", port=8102, time_scale=1)
+    start_sim(c, [a], "c-0", time_scale=1)
     wait_ready(a, {"b-0", "b-1", "c-0"})
 
-    with Load(a.url(PROXY_PORT), concurrency=6, max_tokens=24) as load:
+    # Half the requests stream, so some are past their first byte when the machine dies.
+    with Load(a.url(PROXY_PORT), concurrency=6, max_tokens=200, stream_every=2) as load:
         load.wait_served(30)
-        killed_at = time.monotonic()
         assert b.kill_all(), "nothing ran on host b"
+        killed_at = b.killed_at
         wait_until(lambda: not (_routable(a, "b-0") or _routable(a, "b-1")), STALE_AFTER_S + 5, 0.05,
                    "b's workers to leave the routing set")
         gone_at = time.monotonic()
@@ -98,9 +100,14 @@ def test_losing_a_worker_machine_mid_load_disturbs_only_what_ran_there(net, tmp_
     in_flight = [o for o in load.snapshot() if o.started <= killed_at <= o.ended]
     failed_in_flight = [o for o in in_flight if o.error]
     failed_later = [o for o in load.failures(killed_at, settled) if o.started > killed_at]
+    on_b = [o for o in in_flight if o.worker in ("b-0", "b-1")]
     print(f"\n[machine loss] b's workers out of the routing set after {gone_after:.2f} s; in flight at the kill: "
-          f"{len(in_flight)}, failed: {len(failed_in_flight)}; failed requests sent after the kill: "
-          f"{len(failed_later)}; {len(load.snapshot())} requests in all")
+          f"{len(in_flight)} ({len(on_b)} streaming from b), failed: {len(failed_in_flight)} (streams b broke after "
+          f"their first byte: no migration yet); failed requests sent after the kill: {len(failed_later)}; "
+          f"{len(load.snapshot())} requests in all")
+    # What failed is only what b was streaming, ended with OpenAI's error event (no silent truncation).
+    assert all(o.worker in ("b-0", "b-1") and "worker_failed" in (o.error or "") for o in failed_in_flight), \
+        [(o.worker, o.error) for o in failed_in_flight]
     assert gone_after <= STALE_AFTER_S + 2.0, f"b's workers were still routable {gone_after:.2f} s after the loss"
     assert not failed_later, [o.error for o in failed_later][:5]  # requests sent after the loss all succeed
     assert served_after == {"c-0"}, served_after  # the machine left untouched kept serving

@@ -91,6 +91,7 @@ class Host:
     bridge_port: str  # the veth end in the root namespace, plugged into the bridge
     net: Network
     procs: list[Proc] = field(default_factory=list)
+    killed_at: float | None = None  # time.monotonic() of the last kill_all
 
     def url(self, port: int) -> str:
         return f"http://{self.address}:{port}"
@@ -127,6 +128,7 @@ class Host:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
+        self.killed_at = time.monotonic()  # listing the PIDs takes a while: this is when they died
         for proc in self.procs:  # reap, so the test's Proc objects see them dead
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.popen.wait(10)
