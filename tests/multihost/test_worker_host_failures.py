@@ -40,7 +40,7 @@ def test_a_partitioned_worker_host_is_dropped_within_the_stale_window_and_taken_
     start_sim(c, [a], "c-0")
     wait_ready(a, {"b-0", "c-0"})
 
-    with DecisionWatch(a) as watch, Load(a.url(PROXY_PORT), concurrency=6) as load:
+    with DecisionWatch(a) as watch, Load(a.url(PROXY_PORT), concurrency=6, stream_every=2) as load:
         load.wait_served(20)
         wait_until(lambda: load.served_by()["b-0"] > 0, 20, what="b-0 to serve")
 
@@ -63,12 +63,14 @@ def test_a_partitioned_worker_host_is_dropped_within_the_stale_window_and_taken_
         load.wait_served(20)
         settled = time.monotonic()
 
+    stalled = [o.ended - o.started for o in load.snapshot() if o.started <= down_at <= o.ended]
     down_failures = load.failures(down_at, up_at)
     up_failures = load.failures(up_at, settled)
     print(f"\n[partition] link-down -> last request routed to b-0: {routed_after_cut:.2f} s "
           f"(out of the routing set after {left_at - down_at:.2f} s); link-up -> ready {ready_at - up_at:.2f} s, routed again: "
           f"{back_at - up_at:.2f} s; failed requests: {len(down_failures)} during the cut, "
-          f"{len(up_failures)} after link-up; {len(load.snapshot())} requests in all")
+          f"{len(up_failures)} after link-up; requests in flight at the cut took up to {max(stalled, default=0):.1f} s "
+          f"(held until the link came back); {len(load.snapshot())} requests in all")
     assert routed_after_cut <= NOT_ROUTED_WITHIN_S, f"still routed to the cut host {routed_after_cut:.2f} s after"
     assert not down_failures and not up_failures, [o.error for o in down_failures + up_failures][:5]
     assert load.served_by()["c-0"] > 0
