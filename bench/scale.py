@@ -19,7 +19,7 @@ import orjson
 
 from bench.report import environment_note, fmt, md_table, results_path, write_json
 
-POLICIES = ("kv_aware", "prefix", "least_requests", "power_of_two", "round_robin")
+POLICIES = ("kv_cost", "kv_aware", "prefix", "least_requests", "power_of_two", "round_robin")
 FLEET_SIZES = (10, 100, 1000)
 
 

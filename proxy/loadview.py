@@ -56,12 +56,16 @@ class EngineReading:
 class WorkerLoad:
     """Load bookkeeping for one worker; cheap enough to consult on every routing decision."""
 
-    __slots__ = ("capacity_tokens", "reading", "reading_at", "reading_source", "_pending", "_pending_tokens",
+    __slots__ = ("_capacity", "reading", "reading_at", "reading_source", "_pending", "_pending_tokens",
                  "_pending_count", "_pending_prefill", "in_flight", "in_flight_tokens", "dispatched_total",
-                 "finished_since_reading")
+                 "finished_since_reading", "version", "_snapshot", "_snapshot_version")
 
     def __init__(self, capacity_tokens: int | None = None) -> None:
-        self.capacity_tokens = capacity_tokens or DEFAULT_CAPACITY_TOKENS
+        self._capacity = capacity_tokens or DEFAULT_CAPACITY_TOKENS
+        # bumped on every event that changes what snapshot() returns (reading, dispatch, finish, forget)
+        self.version = 0
+        self._snapshot: LoadSnapshot | None = None
+        self._snapshot_version = -1
         self.reading: EngineReading | None = None
         self.reading_at: float | None = None
         self.reading_source: str | None = None
@@ -76,8 +80,18 @@ class WorkerLoad:
         # requests it reported waiting (or was one of them, if it was sent just before the reading)
         self.finished_since_reading = 0
 
+    @property
+    def capacity_tokens(self) -> int:
+        return self._capacity
+
+    @capacity_tokens.setter
+    def capacity_tokens(self, value: int) -> None:
+        self._capacity = value
+        self.version += 1
+
     # --- events -------------------------------------------------------------------------
     def record_reading(self, reading: EngineReading, now: float, source: str) -> None:
+        self.version += 1
         self.reading = reading
         self.reading_at = now
         self.reading_source = source
@@ -88,6 +102,7 @@ class WorkerLoad:
 
     def start_request(self, kv_tokens: int, now: float, prefill_tokens: int = 0) -> Dispatch:
         """A request was sent to this worker; hand the result to finish_request exactly once."""
+        self.version += 1
         self.in_flight += 1
         self.in_flight_tokens += kv_tokens
         self.dispatched_total += 1
@@ -99,6 +114,7 @@ class WorkerLoad:
         return dispatch
 
     def finish_request(self, dispatch: Dispatch) -> None:
+        self.version += 1
         self.in_flight -= 1
         self.in_flight_tokens -= dispatch.kv_tokens
         self.finished_since_reading += 1
@@ -151,6 +167,17 @@ class WorkerLoad:
         self._forget_before(now - DISPATCH_FORGET_AFTER_S)
         return max(0, reading.num_waiting + self._pending_count - self.finished_since_reading)
 
+    def snapshot(self, now: float) -> LoadSnapshot:
+        """Everything routing reads about this load at `now`, in one object (kept until the next event)."""
+        pending = self._pending
+        if pending and pending[0].at <= now - DISPATCH_FORGET_AFTER_S:
+            self._forget_before(now - DISPATCH_FORGET_AFTER_S)
+        if self._snapshot_version == self.version:
+            return self._snapshot  # type: ignore[return-value]
+        snap = self._snapshot = LoadSnapshot(self)
+        self._snapshot_version = self.version
+        return snap
+
     def _uncount(self, dispatch: Dispatch) -> None:
         if dispatch.pending:
             dispatch.pending = False
@@ -162,6 +189,39 @@ class WorkerLoad:
         pending = self._pending
         while pending and pending[0].at <= cutoff:
             self._uncount(pending.popleft())
+            self.version += 1
+
+
+class LoadSnapshot:
+    """A WorkerLoad's views after forgetting old dispatches, as plain numbers (see WorkerLoad's methods).
+
+    used: reported KV tokens in use; waiting: reported waiting less those finished since (each let one
+    in); running: reported running (in flight without a reading); backlog: engine_backlog().
+    """
+
+    __slots__ = ("capacity", "used", "waiting", "running", "reported_waiting", "pending_kv", "pending_prefill",
+                 "oldest_pending_at", "backlog", "projected_kv_usage", "in_flight")
+
+    def __init__(self, load: WorkerLoad) -> None:
+        capacity = self.capacity = load.capacity_tokens
+        reading = load.reading
+        self.in_flight = load.in_flight
+        self.pending_prefill = load._pending_prefill
+        self.oldest_pending_at = load._pending[0].at if load._pending else None
+        if reading is None:
+            self.used, self.waiting, self.running, self.reported_waiting = 0.0, 0, load.in_flight, 0
+            self.pending_kv = load.in_flight_tokens
+            self.backlog = 0
+            self.projected_kv_usage = load.in_flight_tokens / capacity
+            return
+        self.used = reading.kv_usage * capacity
+        self.waiting = max(0, reading.num_waiting - load.finished_since_reading)
+        self.running = reading.num_running
+        self.reported_waiting = reading.num_waiting
+        self.pending_kv = load._pending_tokens
+        self.backlog = (0 if reading.num_waiting == 0
+                        else max(0, reading.num_waiting + load._pending_count - load.finished_since_reading))
+        self.projected_kv_usage = reading.kv_usage + load._pending_tokens / capacity
 
 
 # --- /metrics scraping (vLLM and LMDeploy names; see shared/notes/engines.md) ---------------

@@ -151,6 +151,11 @@ class Registry:
         self._workers: dict[str, Worker] = {}
         self._changed: asyncio.Future[None] | None = None
         self._listeners: list[Listener] = []
+        # candidates() per model, kept until a worker's state may have changed: `_version` is bumped by
+        # every method that changes membership or a state; time alone changes a state only at a stale
+        # deadline or a breaker's cooldown end, and the cache is kept only until the first of those
+        self._version = 0
+        self._candidates: dict[str, tuple[int, float, float, list[Worker], list[Worker]]] = {}
 
     def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
@@ -183,6 +188,7 @@ class Registry:
         worker.secret_hash = secret_hash
         worker.api_key = reg.api_key
         self._workers[worker_id] = worker
+        self._version += 1
         self.notify_changed()
         self._emit("register", worker, worker.registration)
         return worker
@@ -190,6 +196,7 @@ class Registry:
     def remove(self, worker_id: str) -> Worker | None:
         worker = self._workers.pop(worker_id, None)
         if worker is not None:
+            self._version += 1
             self.notify_changed()
             self._emit("remove", worker)
         return worker
@@ -231,45 +238,61 @@ class Registry:
         same_boot = last is not None and report.boot_id == last.boot_id
         if last is not None and same_boot and report.seq <= last.seq:
             return True  # out of order: an older report must not overwrite a newer one
+        before = worker.state(self.clock())
         worker.last_report = report
         worker.reported_state = report.state
         worker.probe_failed = False
         worker.load.record_reading(EngineReading(report.kv_cache_usage, report.num_running, report.num_waiting,
                                                  report.kv_capacity_tokens or None, report.prefix_cache_hit_rate),
                                    self.clock(), "report")
+        self._state_may_change(worker, before)
         self.notify_changed()
         self._emit("report", worker, report)
         return True
 
     def record_scrape(self, worker: Worker, reading: EngineReading | None) -> None:
         """A successful /metrics scrape or health probe of a non-reporting worker."""
+        before = worker.state(self.clock())
         worker.probe_failed = False
         if reading is not None:
             worker.load.record_reading(reading, self.clock(), "metrics")
+        self._state_may_change(worker, before)
         self.notify_changed()
 
     def record_probe(self, worker: Worker, ok: bool, error: str | None = None) -> None:
+        before = worker.state(self.clock())
         was_failed = worker.probe_failed
         worker.probe_failed = not ok
         if not ok:
             worker.last_error = error
         if ok and was_failed:
             worker.breaker.reset()  # the worker answers again: give it traffic back at once
+        self._state_may_change(worker, before)
         if was_failed != worker.probe_failed:
             self.notify_changed()
 
     def record_success(self, worker: Worker) -> None:
+        if worker.breaker.open_until:
+            self._version += 1  # a half-open circuit closes
         worker.breaker.record_success()
 
     def record_failure(self, worker: Worker, error: str) -> bool:
         """The forwarder saw this worker fail; True when that opened its circuit."""
         worker.last_error = error
-        return worker.breaker.record_failure(self.clock())
+        opened = worker.breaker.record_failure(self.clock())
+        if opened:
+            self._version += 1
+        return opened
+
+    def _state_may_change(self, worker: Worker, before: WorkerState) -> None:
+        if worker.state(self.clock()) is not before:
+            self._version += 1
 
     def drain(self, worker_id: str) -> Worker | None:
         worker = self._workers.get(worker_id)
         if worker is not None and not worker.drain_requested:
             worker.drain_requested = True
+            self._version += 1
             self.notify_changed()
             self._emit("drain", worker)
         return worker
@@ -286,19 +309,44 @@ class Registry:
         return out
 
     def candidates(self, model: str, exclude: Iterable[str] = ()) -> list[Worker]:
-        """Workers that may take a new request for `model`: ready ones, else stale ones."""
+        """Workers that may take a new request for `model`: ready ones, else stale ones.
+
+        Without `exclude` the same list object comes back until a worker's state may have changed
+        (callers must not modify it); a decision then costs nothing per worker of the fleet.
+        """
         now = self.clock()
+        cached = self._candidates.get(model)
+        if cached is None or cached[0] != self._version or not cached[1] <= now < cached[2]:
+            cached = self._candidates[model] = self._scan(model, now)
+        ready, stale = cached[3], cached[4]
+        if exclude:
+            excluded = set(exclude) if not isinstance(exclude, (set, frozenset, dict)) else exclude
+            if excluded:
+                return [w for w in ready if w.worker_id not in excluded] or [
+                    w for w in stale if w.worker_id not in excluded]
+        return ready or stale
+
+    def _scan(self, model: str, now: float) -> tuple[int, float, float, list[Worker], list[Worker]]:
+        """(version, now, valid until, ready, stale) for `model`; valid until the first time-driven change."""
         ready: list[Worker] = []
         stale: list[Worker] = []
+        until = float("inf")
         for worker in self._workers.values():
-            if not worker.serves(model) or worker.worker_id in exclude:
+            if not worker.serves(model):
                 continue
             state = worker.state(now)
             if state is WorkerState.READY:
                 ready.append(worker)
             elif state is WorkerState.STALE:
                 stale.append(worker)
-        return ready or stale
+            open_until = worker.breaker.open_until
+            if now < open_until < until:
+                until = open_until  # the circuit half-opens then
+            if worker.reports:
+                last = worker.load.reading_at if worker.load.reading_at is not None else worker.registered_mono
+                if now - last <= STALE_AFTER_S and last + STALE_AFTER_S < until:
+                    until = last + STALE_AFTER_S  # it goes stale after then
+        return self._version, now, until, ready, stale
 
     # --- change notification (wakes requests waiting in the admission queue) -------------
     def notify_changed(self) -> None:

@@ -60,8 +60,11 @@ plus every worker the prefix index names are scored, so a decision costs O(SHORT
 from __future__ import annotations
 
 import logging
+import math
+import random
 from collections.abc import Sequence
 
+from proxy.loadview import LoadSnapshot
 from proxy.registry import Worker
 from proxy.request import RoutedRequest
 from proxy.routing.base import Decision, Policy, PolicyDeps
@@ -72,6 +75,9 @@ log = logging.getLogger("kvroute.routing.kv_cost")
 RESOLUTION_S = 0.005
 SHORTLIST_ABOVE = 16
 SHORTLIST = 8
+# random.sample draws indices into a set above this population size for SHORTLIST (21 + 4 ** ceil(log4(3k))).
+_SAMPLE_BY_SET_ABOVE = 21 + 4 ** math.ceil(math.log(SHORTLIST * 3, 4))
+_RANDBELOW = getattr(random.Random, "_randbelow_with_getrandbits", None)
 # Learn the prefill parameters only from requests predicted to have waited little: the queue
 # estimate's error would otherwise be fitted as prefill cost.
 LEARN_MAX_QUEUE_SHARE = 0.25
@@ -101,51 +107,65 @@ class Prediction:
         return self.queue_s + self.prefill_s + self.evict_s + self.delay_s
 
 
+_Terms = tuple[float, float, float, float, int, int, int, float]
+
+
 def predict(worker: Worker, model: WorkerModel, request: RoutedRequest, cached: int, hot_tokens: int,
             now: float, fleet_waiting: int = 0) -> Prediction:
     """The module docstring's formulas for `request` on `worker`."""
-    load = worker.load
-    capacity = load.capacity_tokens
-    reading = load.reading
-    if reading is not None:
-        used = reading.kv_usage * capacity
-        # each request finished since the reading let one of the reported waiters in
-        waiting = max(0, reading.num_waiting - load.finished_since_reading)
-        running = reading.num_running
+    return Prediction(*_terms(worker.load.snapshot(now), model, request.prompt_tokens, request.media_tokens,
+                              request.expected_output_tokens, request.expected_kv_tokens, cached, hot_tokens, now,
+                              fleet_waiting)[:7])
+
+
+def _terms(load: LoadSnapshot, model: WorkerModel, prompt: int, media: int, output: int, expected_kv: int,
+           cached: int, hot_tokens: int, now: float, fleet_waiting: int
+           ) -> _Terms:
+    """predict() as (queue_s, prefill_s, evict_s, delay_s, cached, uncached, media_uncached, cost_s): arithmetic only."""
+    used, waiting, backlog, capacity = load.used, load.waiting, load.backlog, load.capacity
+    kv_bar = model.mean_kv_tokens or float(expected_kv)
+    prefill_bar = model.mean_prefill_tokens or float(prompt)
+    # (conditional expressions instead of min/max: the same values, without a call each)
+    if prompt > 1:  # the last token is always computed
+        if cached > prompt - 1:
+            cached = prompt - 1
     else:
-        used, waiting, running = 0.0, 0, load.in_flight
-    pending_kv = load.pending_kv_tokens(now)
-    backlog = load.engine_backlog(now)
-    kv_bar = model.mean_kv_tokens or float(request.expected_kv_tokens)
-    prefill_bar = model.mean_prefill_tokens or float(request.prompt_tokens)
-    prompt = request.prompt_tokens
-    cached = min(cached, prompt - 1) if prompt > 1 else 0  # the last token is always computed
+        cached = 0
     uncached = prompt - cached
-    media_uncached = request.media_tokens * uncached // prompt if request.media_tokens else 0
-    need = uncached + request.expected_output_tokens
-    committed = used + pending_kv + waiting * kv_bar
-    turnover = model.request_turnover_s(request.expected_output_tokens)
+    media_uncached = media * uncached // prompt if media else 0
+    need = uncached + output
+    committed = used + load.pending_kv + waiting * kv_bar
+    turnover = model.request_turnover_s(output)
 
     bias, s_tok, s_vis = model.params()
     # what the proxy sent since the reading has been prefilled since the first of it arrived
-    oldest = load.oldest_pending_at()
-    pending_prefill_s = s_tok * load.pending_prefill_tokens(now)
+    oldest = load.oldest_pending_at
+    pending_prefill_s = s_tok * load.pending_prefill
     if oldest is not None:
-        pending_prefill_s = max(0.0, pending_prefill_s - (now - oldest))
+        pending_prefill_s -= now - oldest
+        if not pending_prefill_s > 0.0:
+            pending_prefill_s = 0.0
     prefill_ahead = pending_prefill_s + s_tok * waiting * prefill_bar
     deficit = committed + need - capacity
     # only an engine that says it cannot admit (requests waiting) makes a new one wait for KV: one
     # that admits frees and allocates block by block faster than the proxy's estimates can follow
-    kv_wait = deficit * turnover / max(used, kv_bar) if deficit > 0 and (waiting or backlog) else 0.0
-    seq_wait = backlog * turnover / max(running, 1) if backlog else 0.0
-    queue = prefill_ahead + max(kv_wait, seq_wait)
+    kv_wait = deficit * turnover / (kv_bar if kv_bar > used else used) if deficit > 0 and (waiting or backlog) else 0.0
+    if backlog:
+        running = load.running
+        seq_wait = backlog * turnover / (running if running > 1 else 1)
+        queue = prefill_ahead + (seq_wait if seq_wait > kv_wait else kv_wait)
+    else:
+        queue = prefill_ahead + kv_wait
 
     free = capacity - committed
-    evictable_hot = min(max(0, min(hot_tokens, capacity) - cached), max(0.0, free))
-    evicted = min(evictable_hot, max(0.0, evictable_hot + need - free))
+    hot = (hot_tokens if hot_tokens < capacity else capacity) - cached
+    evictable_hot = 0 if hot <= 0 else hot if free > 0.0 and hot <= free else free if free > 0.0 else 0.0
+    spill = evictable_hot + need - free
+    evicted = 0.0 if not spill > 0.0 else evictable_hot if evictable_hot <= spill else spill
     work = s_tok * uncached + s_vis * media_uncached
-    saturation = max(backlog, fleet_waiting)
-    return Prediction(queue, bias + work, s_tok * evicted, saturation * work, cached, uncached, media_uncached)
+    saturation = fleet_waiting if fleet_waiting > backlog else backlog
+    prefill, evict, delay = bias + work, s_tok * evicted, saturation * work
+    return queue, prefill, evict, delay, cached, uncached, media_uncached, queue + prefill + evict + delay
 
 
 def cached_tokens(request: RoutedRequest, depth: int) -> int:
@@ -165,35 +185,53 @@ class KvCostPolicy(Policy):
         index, estimator = self.deps.prefix_index, self.deps.estimator
         depths = index.match(request.prefix_hashes, None, now) if request.prefix_hashes else {}
         pool = self._shortlist(candidates, depths)
-        best: Worker | None = None
-        best_pred: Prediction | None = None
-        best_key: tuple[int, float, int] | None = None
-        ties = 0
-        predictions: dict[str, Prediction] = {}
+        snapshots = [w.load.snapshot(now) for w in pool]
         # how saturated the fleet is: the longest queue a candidate reported (reports are 250 ms
         # apart; under a closed loop the one that looks free now is the next to queue)
-        fleet_waiting = max((w.load.reading.num_waiting if w.load.reading is not None else 0) for w in pool)
-        for worker in pool:
+        fleet_waiting = max(s.reported_waiting for s in snapshots)
+        prompt, media, output = request.prompt_tokens, request.media_tokens, request.expected_output_tokens
+        expected_kv, prefix_tokens = request.expected_kv_tokens, request.prefix_tokens
+        models, hot_of, rng = estimator.models, index.hot_by_worker(), self.deps.rng
+        best = pool[0]
+        best_terms: _Terms | None = None
+        best_bucket, best_usage, best_in_flight = 0, 0.0, 0
+        ties = 0
+        deepest = 0
+        debug = log.isEnabledFor(logging.DEBUG)
+        terms_of: dict[str, _Terms] = {}
+        scores: dict[str, float] = {}
+        for worker, snap in zip(pool, snapshots, strict=True):
             wid = worker.worker_id
-            pred = predict(worker, estimator.for_worker(wid), request, cached_tokens(request, depths.get(wid, 0)),
-                           index.hot_tokens(wid), now, fleet_waiting)
-            predictions[wid] = pred
-            key = (int(pred.cost_s / RESOLUTION_S), worker.load.projected_kv_usage(now), worker.load.in_flight)
-            if best_key is None or key < best_key:
-                best, best_pred, best_key, ties = worker, pred, key, 1
-            elif key == best_key:
+            model = models.get(wid) or estimator.for_worker(wid)
+            depth = depths.get(wid, 0)
+            terms = _terms(snap, model, prompt, media, output, expected_kv, prefix_tokens[depth - 1] if depth else 0,
+                           hot_of.get(wid, 0), now, fleet_waiting)
+            if debug:
+                terms_of[wid] = terms
+            cost = scores[wid] = terms[7]
+            if terms[4] > deepest:
+                deepest = terms[4]
+            # order: (cost in RESOLUTION_S steps, projected KV usage, in flight); ties at random
+            bucket = int(cost / RESOLUTION_S)
+            if best_terms is None or bucket < best_bucket or (bucket == best_bucket and (
+                    snap.projected_kv_usage < best_usage
+                    or (snap.projected_kv_usage == best_usage and snap.in_flight < best_in_flight))):
+                best, best_terms, ties = worker, terms, 1
+                best_bucket, best_usage, best_in_flight = bucket, snap.projected_kv_usage, snap.in_flight
+            elif bucket == best_bucket and snap.projected_kv_usage == best_usage and snap.in_flight == best_in_flight:
                 ties += 1  # reservoir sampling: each tied worker equally likely
-                if self.deps.rng.random() * ties < 1.0:
-                    best, best_pred = worker, pred
-        assert best is not None and best_pred is not None
-        deepest = max((predictions[w].cached for w in predictions), default=0)
+                if rng.random() * ties < 1.0:
+                    best, best_terms = worker, terms
+        assert best_terms is not None
+        best_pred = Prediction(*best_terms[:7])
         if deepest == 0:
             reason = "cold"
         elif best_pred.cached >= deepest:
             reason = "prefix_owner"
         else:
             reason = "replica"
-        if log.isEnabledFor(logging.DEBUG):
+        if debug:
+            predictions = {wid: Prediction(*t[:7]) for wid, t in terms_of.items()}
             log.debug("model=%s prompt=%d media=%d output=%d -> %s (%s) | %s", request.model, request.prompt_tokens,
                       request.media_tokens, request.expected_output_tokens, best.worker_id, reason,
                       "; ".join(f"{wid}: ttft={p.ttft_s * 1000:.1f}ms (queue {p.queue_s * 1000:.1f} + prefill "
@@ -202,20 +240,38 @@ class KvCostPolicy(Policy):
                                 for wid, p in predictions.items()))
         kv_tokens = best_pred.uncached + request.expected_output_tokens
         model = estimator.for_worker(best.worker_id)
-        return Decision(best, reason, kv_tokens, {w: p.cost_s for w, p in predictions.items()},
+        return Decision(best, reason, kv_tokens, scores,
                         prefill_tokens=best_pred.uncached, media_tokens=best_pred.media_uncached,
                         predicted_queue_s=best_pred.queue_s, predicted_ttft_s=best_pred.ttft_s,
                         cold_prefill_s=model.prefill_s(request.prompt_tokens, request.media_tokens))
 
     def _shortlist(self, candidates: Sequence[Worker], depths: dict[str, int]) -> Sequence[Worker]:
-        if len(candidates) <= SHORTLIST_ABOVE:
+        n = len(candidates)
+        if n <= SHORTLIST_ABOVE:
             return candidates
-        if self._by_id_for is not candidates:  # the registry hands a new list per request; benches reuse one
+        if self._by_id_for is not candidates:  # the registry hands the same list until its workers change
             self._by_id = {w.worker_id: w for w in candidates}
             self._by_id_for = candidates
-        pool = {id(w): w for w in self.deps.rng.sample(candidates, SHORTLIST)}
+        rng = self.deps.rng
+        if n > _SAMPLE_BY_SET_ABOVE and getattr(type(rng), "_randbelow", None) is _RANDBELOW:
+            # random.sample's own draws for a large population (same workers, same order, same rng
+            # state after: its set branch and _randbelow, inlined), without its per-call set-up
+            getrandbits = rng.getrandbits
+            bits = n.bit_length()
+            chosen: set[int] = set()
+            pool: dict[int, Worker] = {}
+            while len(chosen) < SHORTLIST:
+                j = getrandbits(bits)
+                if j >= n or j in chosen:
+                    continue
+                chosen.add(j)
+                w = candidates[j]
+                pool[id(w)] = w
+        else:
+            pool = {id(w): w for w in rng.sample(candidates, SHORTLIST)}
+        by_id = self._by_id
         for wid in depths:
-            holder = self._by_id.get(wid)
+            holder = by_id.get(wid)
             if holder is not None:
                 pool[id(holder)] = holder
         return list(pool.values())

@@ -166,3 +166,56 @@ def test_with_a_thousand_workers_the_prefix_owner_is_still_scored():
         send(pol, [owner], request(f"q{i}", SYSTEM))
     decision = pol.select(workers, request("next", SYSTEM), NOW)
     assert decision.worker is owner and len(decision.scores) <= 9
+
+
+def _mixed_fleet(n: int, rng: random.Random) -> list[Worker]:
+    fleet = []
+    for i in range(n):
+        w = worker(f"w{i}", usage=rng.random() * 0.9, running=rng.randrange(16), waiting=rng.randrange(3) * rng.randrange(6))
+        for _ in range(rng.randrange(3)):
+            w.load.start_request(rng.randrange(100, 3000), NOW - rng.random(), rng.randrange(50, 2000))
+        fleet.append(w)
+    return fleet
+
+
+def test_each_decision_is_the_lowest_predicted_cost_and_the_scores_are_the_models():
+    rng = random.Random(3)
+    pol = policy()
+    fleet = _mixed_fleet(12, rng)
+    prompts = [request(f"question {i}", system=SYSTEM if i % 2 else None) for i in range(6)]
+    for step in range(40):
+        req = prompts[step % len(prompts)]
+        now = NOW + step * 0.01
+        depths = pol.deps.prefix_index.match(req.prefix_hashes, None, now)
+        decision = pol.select(fleet, req, now)
+        preds = {w.worker_id: predict(w, pol.deps.estimator.for_worker(w.worker_id), req,
+                                      req.prefix_tokens[depths[w.worker_id] - 1] if w.worker_id in depths else 0,
+                                      pol.deps.prefix_index.hot_tokens(w.worker_id), now,
+                                      max(x.load.reading.num_waiting for x in fleet))
+                 for w in fleet}
+        assert decision.scores == {wid: p.cost_s for wid, p in preds.items()}
+        keys = {w.worker_id: (int(preds[w.worker_id].cost_s / 0.005), w.load.projected_kv_usage(now), w.load.in_flight)
+                for w in fleet}
+        assert keys[decision.worker.worker_id] == min(keys.values())
+        assert decision.predicted_ttft_s == preds[decision.worker.worker_id].ttft_s
+        decision.worker.load.start_request(decision.kv_tokens, now, decision.prefill_tokens)
+        pol.on_dispatch(decision, req, now)
+
+
+def test_a_large_fleet_scores_the_same_random_shortlist_as_random_sample_plus_the_prefix_holders():
+    for n in (17, 200, 1000):
+        fleet = _mixed_fleet(n, random.Random(n))
+        pol = policy(seed=n)
+        reference = random.Random(n)
+        req = request("hello", system=SYSTEM)
+        holder = send(pol, fleet, req).worker  # the first draw; it now holds the system prompt
+        reference.sample(fleet, 8)
+        for _ in range(20):
+            decision = pol.select(fleet, req, NOW)
+            expected = {w.worker_id for w in reference.sample(fleet, 8)} | {holder.worker_id}
+            assert set(decision.scores or {}) == expected
+            for _ in range(len(decision.scores or {})):  # the tie-breaking draws, if any
+                if pol.deps.rng.getstate() == reference.getstate():
+                    break
+                reference.random()
+            assert pol.deps.rng.getstate() == reference.getstate()

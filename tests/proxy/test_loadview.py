@@ -81,3 +81,33 @@ def test_lmdeploy_metrics_are_read_too():
 
 def test_metrics_without_kv_usage_give_nothing():
     assert parse_engine_metrics("process_cpu_seconds_total 3.0\n") is None
+
+
+def test_a_snapshot_shows_the_views_of_its_moment_and_is_renewed_by_every_event():
+    from proxy.loadview import DISPATCH_FORGET_AFTER_S
+
+    load = WorkerLoad(capacity_tokens=10_000)
+
+    def check(now: float) -> None:
+        snap = load.snapshot(now)
+        assert snap.projected_kv_usage == load.projected_kv_usage(now)
+        assert snap.pending_kv == load.pending_kv_tokens(now)
+        assert snap.pending_prefill == load.pending_prefill_tokens(now)
+        assert snap.backlog == load.engine_backlog(now)
+        assert snap.oldest_pending_at == load.oldest_pending_at()
+        assert snap.in_flight == load.in_flight and snap.capacity == load.capacity_tokens
+
+    first = load.start_request(800, now=99.0, prefill_tokens=300)  # no reading yet: in-flight counts
+    check(99.5)
+    load.record_reading(EngineReading(0.2, 3, 2), now=100.0, source="report")
+    check(100.0)
+    second = load.start_request(1000, now=100.01, prefill_tokens=600)
+    check(100.02)
+    assert load.snapshot(100.02) is load.snapshot(100.03)  # nothing happened in between
+    load.finish_request(first)
+    check(100.04)
+    load.capacity_tokens = 20_000
+    check(100.05)
+    check(100.01 + DISPATCH_FORGET_AFTER_S + 0.01)  # the dispatch aged out of the pending counts
+    load.finish_request(second)
+    check(110.0)

@@ -100,3 +100,32 @@ def test_registering_again_keeps_in_flight_counts_and_one_url_is_one_worker():
     registry.register(WorkerRegistration(worker_id="renamed", url="http://w:1", models=["m"]))
     assert [w.worker_id for w in registry.workers()] == ["renamed"]
     assert registry.record_report(wid, report(wid, 1)) is False  # unknown now: it must register again
+
+
+def test_candidates_are_one_list_until_a_worker_changes_state_or_goes_stale_with_time():
+    clock = Clock()
+    registry, a = make(clock)
+    registry.register(WorkerRegistration(worker_id="b", url="http://w:2", models=["m"]))
+    registry.record_report(a, report(a, 1))
+    registry.record_report("b", report("b", 1))
+    first = registry.candidates("m")
+    assert [w.worker_id for w in first] == ["a", "b"]
+    clock.now += 0.5
+    registry.record_report("b", report("b", 2))  # a report that changes no state keeps the list
+    assert registry.candidates("m") is first
+    assert [w.worker_id for w in registry.candidates("m", exclude={"a"})] == ["b"]
+    clock.now += STALE_AFTER_S - 0.2  # a's last report is now too old; b's is not
+    assert [w.worker_id for w in registry.candidates("m")] == ["b"]
+    registry.record_report(a, report(a, 2))
+    assert [w.worker_id for w in registry.candidates("m")] == ["a", "b"]
+    for _ in range(CircuitBreaker.FAILURES_TO_OPEN):
+        registry.record_failure(registry.get("b"), "500")
+    assert [w.worker_id for w in registry.candidates("m")] == ["a"]
+    clock.now += CircuitBreaker.BASE_COOLDOWN_S + 0.01  # half-open (reports keep both fresh)
+    registry.record_report(a, report(a, 3))
+    registry.record_report("b", report("b", 3))
+    assert [w.worker_id for w in registry.candidates("m")] == ["a", "b"]
+    registry.drain("a")
+    assert [w.worker_id for w in registry.candidates("m")] == ["b"]
+    registry.remove("b")
+    assert registry.candidates("m") == []
