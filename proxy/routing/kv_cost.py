@@ -55,6 +55,8 @@ than the prefix is prefilled elsewhere: otherwise the copy would cost the fleet 
 
 Scale: with more than SHORTLIST_ABOVE candidates only SHORTLIST random ones (power-of-d choices)
 plus every worker the prefix index names are scored, so a decision costs O(SHORTLIST + holders).
+Scoring one is arithmetic only: its load is read from a snapshot kept until its next event
+(loadview.LoadSnapshot), its parameters from the estimator's cache.
 """
 
 from __future__ import annotations
@@ -135,7 +137,6 @@ def _terms(load: LoadSnapshot, model: WorkerModel, prompt: int, media: int, outp
     media_uncached = media * uncached // prompt if media else 0
     need = uncached + output
     committed = used + load.pending_kv + waiting * kv_bar
-    turnover = model.request_turnover_s(output)
 
     bias, s_tok, s_vis = model.params()
     # what the proxy sent since the reading has been prefilled since the first of it arrived
@@ -149,13 +150,17 @@ def _terms(load: LoadSnapshot, model: WorkerModel, prompt: int, media: int, outp
     deficit = committed + need - capacity
     # only an engine that says it cannot admit (requests waiting) makes a new one wait for KV: one
     # that admits frees and allocates block by block faster than the proxy's estimates can follow
-    kv_wait = deficit * turnover / (kv_bar if kv_bar > used else used) if deficit > 0 and (waiting or backlog) else 0.0
-    if backlog:
-        running = load.running
-        seq_wait = backlog * turnover / (running if running > 1 else 1)
-        queue = prefill_ahead + (seq_wait if seq_wait > kv_wait else kv_wait)
+    if backlog or (deficit > 0 and waiting):
+        turnover = model.request_turnover_s(output)
+        kv_wait = deficit * turnover / (kv_bar if kv_bar > used else used) if deficit > 0 else 0.0
+        if backlog:
+            running = load.running
+            seq_wait = backlog * turnover / (running if running > 1 else 1)
+            queue = prefill_ahead + (seq_wait if seq_wait > kv_wait else kv_wait)
+        else:
+            queue = prefill_ahead + kv_wait
     else:
-        queue = prefill_ahead + kv_wait
+        queue = prefill_ahead + 0.0
 
     free = capacity - committed
     hot = (hot_tokens if hot_tokens < capacity else capacity) - cached

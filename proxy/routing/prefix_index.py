@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Collection, Mapping, Sequence
+from itertools import repeat
 
 # 65536 blocks of ~32 tokens cover ~2M prompt tokens in about 20 MB of proxy memory.
 DEFAULT_MAX_BLOCKS = 65536
@@ -115,7 +116,7 @@ class PrefixIndex:
             except KeyError:  # not a chain after all: do it block by block
                 self._touch(hashes, 0, hot_end, worker_id, seen, now, cum_tokens)
             else:
-                seen.update(dict.fromkeys(head, now))
+                seen.update(zip(head, repeat(now)))
         while len(blocks) > self.max_blocks:
             old_hash, old = blocks.popitem(last=False)
             for holder, count in old.holders.items():
