@@ -185,6 +185,7 @@ class KvCostPolicy(Policy):
         super().__init__(deps)
         self._by_id_for: Sequence[Worker] | None = None
         self._by_id: dict[str, Worker] = {}
+        self._by_id_workers: list[Worker] = []
 
     def select(self, candidates: Sequence[Worker], request: RoutedRequest, now: float) -> Decision:
         index, estimator = self.deps.prefix_index, self.deps.estimator
@@ -254,8 +255,12 @@ class KvCostPolicy(Policy):
         n = len(candidates)
         if n <= SHORTLIST_ABOVE:
             return candidates
-        if self._by_id_for is not candidates:  # the registry hands the same list until its workers change
-            self._by_id = {w.worker_id: w for w in candidates}
+        if self._by_id_for is not candidates:
+            # A caller may copy the registry's (cached) list per request: the same workers in the same
+            # order (compared by identity, in C) keep the map; only a change of workers rebuilds it.
+            if candidates != self._by_id_workers:
+                self._by_id = {w.worker_id: w for w in candidates}
+                self._by_id_workers = list(candidates)
             self._by_id_for = candidates
         rng = self.deps.rng
         if n > _SAMPLE_BY_SET_ABOVE and getattr(type(rng), "_randbelow", None) is _RANDBELOW:

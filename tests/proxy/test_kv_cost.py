@@ -219,3 +219,14 @@ def test_a_large_fleet_scores_the_same_random_shortlist_as_random_sample_plus_th
                     break
                 reference.random()
             assert pol.deps.rng.getstate() == reference.getstate()
+
+
+def test_a_prefix_holder_is_scored_only_while_it_is_among_the_candidates_handed_in():
+    fleet = _mixed_fleet(100, random.Random(5))
+    pol = policy()
+    req = request("hello", system=SYSTEM)
+    holder = send(pol, list(fleet), req).worker
+    assert holder.worker_id in (pol.select(list(fleet), req, NOW).scores or {})  # a copy of the same list
+    without = [w for w in fleet if w is not holder]
+    for _ in range(20):
+        assert holder.worker_id not in (pol.select(list(without), req, NOW).scores or {})
