@@ -129,6 +129,8 @@ class Worker:
         }
 
 
+# candidates() keeps its answer for at most this many model names at once.
+MAX_CACHED_MODELS = 256
 # A registration may take over the id or URL of a worker silent (and stale/unhealthy) this long.
 TAKEOVER_AFTER_S = 10.0
 
@@ -317,6 +319,8 @@ class Registry:
         now = self.clock()
         cached = self._candidates.get(model)
         if cached is None or cached[0] != self._version or not cached[1] <= now < cached[2]:
+            if len(self._candidates) >= MAX_CACHED_MODELS:  # names come from clients: keep memory bounded
+                self._candidates.clear()
             cached = self._candidates[model] = self._scan(model, now)
         ready, stale = cached[3], cached[4]
         if exclude:
