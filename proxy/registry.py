@@ -60,6 +60,10 @@ class CircuitBreaker:
         self.failures = self.FAILURES_TO_OPEN - 1  # half-open: the next failure reopens at once
         return True
 
+    def half_open(self) -> None:
+        """End the cooldown now: the next request is a trial, and a failed one reopens the circuit."""
+        self.open_until = 0.0
+
     def reset(self) -> None:
         self.record_success()
 
@@ -240,7 +244,13 @@ class Registry:
         same_boot = last is not None and report.boot_id == last.boot_id
         if last is not None and same_boot and report.seq <= last.seq:
             return True  # out of order: an older report must not overwrite a newer one
-        before = worker.state(self.clock())
+        now = self.clock()
+        before = worker.state(now)
+        if worker.load.reading_at is not None and now - worker.load.reading_at > STALE_AFTER_S:
+            # Reports resume after a silence (a partition, a paused host): the failures that opened its
+            # breaker meanwhile were the silence's; its reports show it alive, so a trial goes through now
+            # (not after a cooldown that doubled through the silence); a failed trial reopens it at once.
+            worker.breaker.half_open()
         worker.last_report = report
         worker.reported_state = report.state
         worker.probe_failed = False

@@ -129,3 +129,23 @@ def test_candidates_are_one_list_until_a_worker_changes_state_or_goes_stale_with
     assert [w.worker_id for w in registry.candidates("m")] == ["b"]
     registry.remove("b")
     assert registry.candidates("m") == []
+
+
+def test_reports_resuming_after_a_silence_close_a_breaker_the_silence_opened_but_fresh_ones_do_not():
+    clock = Clock()
+    registry, wid = make(clock)
+    registry.record_report(wid, report(wid, 1))
+    worker = registry.get(wid)
+    # A partition: requests to it time out and open its breaker, and its reports stop.
+    for _ in range(CircuitBreaker.FAILURES_TO_OPEN):
+        registry.record_failure(worker, "connect timeout")
+    assert worker.state(clock()) is WorkerState.UNHEALTHY
+    clock.now += STALE_AFTER_S + 0.5
+    registry.record_report(wid, report(wid, 2))  # the link is back
+    assert worker.state(clock()) is WorkerState.READY
+    # While it keeps reporting, failures it causes itself still open the breaker.
+    for _ in range(CircuitBreaker.FAILURES_TO_OPEN):
+        registry.record_failure(worker, "connect refused")
+    clock.now += 0.25
+    registry.record_report(wid, report(wid, 3))
+    assert worker.state(clock()) is WorkerState.UNHEALTHY
