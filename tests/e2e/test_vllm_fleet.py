@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from openai import AsyncOpenAI, OpenAI
+from openai import AsyncOpenAI, AuthenticationError, OpenAI
 
 from tests.support.procs import KVROUTE, REPO, Proc, ProcessGroup, free_port, wait_http_ok, wait_until
 
@@ -31,6 +31,9 @@ pytestmark = [
 
 MODEL_DIR = REPO / "models" / "tiny-qwen3-vl"
 MODEL = "tiny"
+# An operator-given engine key (the worker keeps it instead of a random one) so this test may call
+# an engine directly, as only the proxy could otherwise.
+ENGINE_KEY = "e2e-engine-key"
 # 8 MiB of KV = 4096 tokens (32 blocks of 128) on the tiny model: a few long requests fill it.
 ENGINE_ARGS = ["--enforce-eager", "--kv-cache-memory-bytes", str(8 * 1024 * 1024), "--max-num-seqs", "16",
                "--max-model-len", "2048"]
@@ -89,7 +92,7 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
                 [*KVROUTE, "worker", "--engine", "vllm", "--model", str(MODEL_DIR), "--device", "cpu",
                  "--served-model-name", MODEL, "--port", str(port), "--worker-id", worker_id,
                  "--proxy-url", proxy_url, "--drain-grace-s", "60", "--", *ENGINE_ARGS],
-                name=worker_id, env={"KVROUTE_LOG_DIR": str(log_dir)})
+                name=worker_id, env={"KVROUTE_LOG_DIR": str(log_dir), "VLLM_API_KEY": ENGINE_KEY})
             workers[worker_id] = (proc, port)
         fleet = Fleet(proxy_url, workers, group)
 
@@ -217,7 +220,11 @@ def test_killed_engine_is_reported_failed_and_traffic_moves_to_the_other(fleet):
 def test_sigterm_drains_in_flight_work_then_stops_the_engine(fleet):
     worker_id = "vllm-b"
     supervisor, port = fleet.workers[worker_id]
-    engine = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    # The engine answers only with its key: nothing on the host reaches it around the proxy.
+    bypass = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="guessed", max_retries=0, timeout=30)
+    with pytest.raises(AuthenticationError):
+        bypass.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    engine = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=ENGINE_KEY, max_retries=0, timeout=120)
     # Straight to this worker's engine, streamed: the first chunk proves the request is running there.
     stream = engine.chat.completions.create(
         model=MODEL, max_tokens=1900, stream=True, stream_options={"include_usage": True},
