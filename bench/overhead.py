@@ -22,6 +22,10 @@ from bench.report import environment_note, fmt, md_table, ms, plot_cdfs, results
 KVROUTE_POLICIES = ("kv_cost", "kv_aware", "prefix", "least_requests", "round_robin")
 # `kvroute-aiohttp:POLICY`: kvroute on its previous all-aiohttp data plane (`--data-plane aiohttp`), for comparison
 OLD_PATH = "kvroute-aiohttp"
+# kvroute with client API keys on (KVROUTE_API_KEYS); every route, peers and direct included, is sent the
+# same Authorization header, so the only difference is the proxy checking it.
+KEYS_PATH = "kvroute-keys"
+BENCH_API_KEY = "bench-overhead-key"
 PEER_ROUTES = (("vllm-router", "round_robin"), ("vllm-router", "cache_aware"),
                ("sglang-router", "round_robin"), ("sglang-router", "cache_aware"),
                ("lmdeploy", "min_expected_latency"))
@@ -70,7 +74,8 @@ def _spread(before: list[dict[str, float]], after: list[dict[str, float]]) -> fl
 
 
 async def _measure(targets: str | list[str], specs: list[RequestSpec], concurrency: int):
-    return await LoadGenerator(targets).closed_loop(specs, concurrency)
+    headers = {"Authorization": f"Bearer {BENCH_API_KEY}"}
+    return await LoadGenerator(targets, headers=headers).closed_loop(specs, concurrency)
 
 
 def run_cell(fleet: Fleet, kind: str, policy: str, w: Workload, model: str, warmup: int) -> dict[str, Any]:
@@ -107,17 +112,19 @@ def run_cell(fleet: Fleet, kind: str, policy: str, w: Workload, model: str, warm
 
 
 def _start(kind: str, policy: str, fleet: Fleet):
-    if kind != OLD_PATH:
+    variants = {OLD_PATH: ("KVROUTE_DATA_PLANE", "aiohttp"), KEYS_PATH: ("KVROUTE_API_KEYS", BENCH_API_KEY)}
+    if kind not in variants:
         return start_router(kind, policy, fleet)
-    saved = os.environ.get("KVROUTE_DATA_PLANE")
-    os.environ["KVROUTE_DATA_PLANE"] = "aiohttp"  # inherited by the proxy process start_router spawns
+    name, value = variants[kind]
+    saved = os.environ.get(name)
+    os.environ[name] = value  # inherited by the proxy process start_router spawns
     try:
         return start_router("kvroute", policy, fleet)
     finally:
         if saved is None:
-            os.environ.pop("KVROUTE_DATA_PLANE", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["KVROUTE_DATA_PLANE"] = saved
+            os.environ[name] = saved
 
 
 BASELINE_KEYS = ("lat_p50", "lat_p99", "ttft_p50", "ttft_p99")
@@ -169,6 +176,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-peers", action="store_true", help="kvroute and direct only")
     p.add_argument("--old-path", default="",
                    help="kvroute policies to run also on the previous aiohttp data plane, comma-separated")
+    p.add_argument("--with-keys", default="",
+                   help="kvroute policies to run also with client API keys on, comma-separated")
     p.add_argument("--peers", default=",".join(sorted({p for p, _ in PEER_ROUTES})),
                    help="peer routers to include, comma-separated")
     p.add_argument("--workloads", default="stream,stress,nonstream")
@@ -180,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
     routes: list[tuple[str, str]] = [("direct", "")]
     routes += [("kvroute", p) for p in args.policies.split(",") if p]
     routes += [(OLD_PATH, p) for p in args.old_path.split(",") if p]
+    routes += [(KEYS_PATH, p) for p in args.with_keys.split(",") if p]
     if not args.no_peers:
         wanted = set(args.peers.split(","))
         routes += [r for r in PEER_ROUTES if r[0] in wanted]

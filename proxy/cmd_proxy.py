@@ -16,7 +16,7 @@ import sys
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help="address to bind (default: config's proxy.host, 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default: config's proxy.port, 8000)")
-    p.add_argument("--policy", default=None, help="routing policy (default: config's proxy.policy, kv_cost)")
+    p.add_argument("--policy", default=None, help="routing policy (default: config's proxy.policy, kv_aware)")
     p.add_argument("--config", default=None, help="fleet config file (YAML); without it defaults apply")
     p.add_argument("--state", default=None, help="'memory' (default) or redis://host:port/db")
     p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])

@@ -104,7 +104,7 @@ class ProxyLimits(RequestLimits):
 class ProxyConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    policy: PolicyName = "kv_cost"
+    policy: PolicyName = "kv_aware"
     admin_token: str | None = Field(None, description="guards /workers, /nodes, /fleet; unset or empty: loopback only")
     worker_token: str | None = Field(None, description="lets workers register (each then gets its own secret)")
     worker_networks: list[str] = Field(

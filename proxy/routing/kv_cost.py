@@ -1,4 +1,4 @@
-"""kv_cost (default): send each request where its predicted time to first token, plus what it costs others, is lowest.
+"""kv_cost (opt-in; kv_aware stays the default until kv_cost wins bench quality): send each request where its predicted time to first token, plus what it costs others, is lowest.
 
 Owns the decision model in time units; the parameters it uses are learnt in estimator.py and the
 prefix bookkeeping lives in prefix_index.py. It does no I/O and never refuses (admission.py holds).

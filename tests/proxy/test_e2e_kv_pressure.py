@@ -37,7 +37,7 @@ def cold_body(i: int) -> dict:
 
 
 def test_a_hot_prefix_keeps_its_worker_under_pressure_while_cold_prompts_go_elsewhere(fleet):
-    fleet.start_proxy("--log-level", "debug")  # each decision's predicted times land in the proxy's log
+    fleet.start_proxy("--policy", "kv_cost", "--log-level", "debug")  # each decision's predicted times land in the proxy's log
     fleet.start_sims(2, time_scale=1, kv_capacity_tokens=4096)
     owners = set()
     for i in range(3):  # sequential: the prefix becomes hot on one worker
