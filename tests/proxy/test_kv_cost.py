@@ -49,10 +49,12 @@ def send(pol, workers, req, now=NOW):
     return decision
 
 
-def test_kv_cost_is_the_default_policy():
-    from proxy.config import ProxyConfig
+def test_kv_cost_is_opt_in_and_the_default_has_no_kv_gate():
+    # kv_aware stays the default until kv_cost wins `kvroute bench quality` (README Performance).
+    from proxy.config import ProxyConfig, parse_config
 
-    assert ProxyConfig().policy == "kv_cost" and ProxyConfig().kv_high_water == 1.0
+    assert ProxyConfig().policy == "kv_aware" and ProxyConfig().kv_high_water == 1.0
+    assert parse_config("proxy: {policy: kv_cost}").proxy.policy == "kv_cost"
 
 
 def test_a_hot_prefix_stays_with_its_owner_then_gets_a_replica_only_when_that_is_faster():
