@@ -42,8 +42,6 @@ MAX_VIA_HOPS = 8
 # Bodies larger than this are parsed in a worker thread: validating a 32 MB prompt of token ids is
 # a second of Python that would otherwise stall every other request on the loop.
 PARSE_IN_THREAD_BYTES = 1024 * 1024
-# Distinct requested model names (served, aliases, typos) that get their own metrics label.
-MAX_MODEL_LABELS = 64
 
 
 class PolicySet:
@@ -88,7 +86,6 @@ class Dispatcher:
         self.policies = policies
         self.metrics = metrics
         self.admission = AdmissionController(registry, config.proxy, policies.deps.estimator)
-        self._model_labels: set[str] = set()
         self.instance_id = uuid.uuid4().hex[:16]
 
     async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
@@ -104,7 +101,7 @@ class Dispatcher:
                 routed = await asyncio.to_thread(parse_request, body, kind, session)
             else:
                 routed = parse_request(body, kind, session)
-            model_label = self._label_for_requested_model(routed.model)
+            model_label = self.metrics.model_label(routed.model)
             served = self.resolve_model(routed.model)
             model_label = served
             check_request(routed, self.config, served)
@@ -114,16 +111,6 @@ class Dispatcher:
             self.metrics.rejections.labels(model_label, exc.code or str(exc.status)).inc()
             self.metrics.requests.labels(model_label, "", str(exc.status)).inc()
             return exc.response({"x-request-id": request_id})
-
-    def _label_for_requested_model(self, name: str) -> str:
-        """`name` as a metrics label while few distinct names were seen, then "other": each label
-        value lives in /metrics for good, and clients choose these names."""
-        if name in self._model_labels:
-            return name
-        if len(self._model_labels) < MAX_MODEL_LABELS:
-            self._model_labels.add(name)
-            return name
-        return "other"
 
     def _refuse_loop(self, via: str) -> None:
         hops = via.split(",") if via else []

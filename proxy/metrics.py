@@ -14,6 +14,8 @@ from prometheus_client.registry import Collector
 
 from proxy.registry import Registry, Worker, WorkerState
 
+# Distinct requested model names (served, aliases, typos) that get their own metrics label.
+MAX_MODEL_LABELS = 64
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -21,6 +23,7 @@ class ProxyMetrics:
     """Counters and histograms the request path updates, plus worker gauges computed on scrape."""
 
     def __init__(self, registry: Registry) -> None:
+        self._model_labels: set[str] = set()
         self.collector_registry = CollectorRegistry(auto_describe=False)
         r = self.collector_registry
         self.requests = Counter("kvroute:requests", "Requests finished, by model, worker and status",
@@ -45,6 +48,17 @@ class ProxyMetrics:
             (self.requests, ("model", "worker", "status")), (self.decisions, ("policy", "worker", "reason")),
             (self.stream_failures, ("model", "worker")))
         registry.add_listener(self._on_registry_change)
+
+
+    def model_label(self, name: str) -> str:
+        """A requested model `name` as a label while few distinct names were seen, then "other": each
+        label value lives in /metrics for good, and clients choose these names."""
+        if name in self._model_labels:
+            return name
+        if len(self._model_labels) < MAX_MODEL_LABELS:
+            self._model_labels.add(name)
+            return name
+        return "other"
 
     def render(self) -> bytes:
         return generate_latest(self.collector_registry)

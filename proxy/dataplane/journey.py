@@ -16,7 +16,7 @@ from proxy.dataplane import http
 from proxy.dataplane.exchange import STREAM, WHOLE, Exchange, Relayed, Retryable
 from proxy.dataplane.identity import VIA_HEADER, refuse_loop, request_id, via_chain
 from proxy.dataplane.pool import UpstreamPool
-from proxy.dispatch import MAX_MODEL_LABELS, Dispatcher
+from proxy.dispatch import Dispatcher
 from proxy.errors import ProxyError
 from proxy.metrics import ProxyMetrics
 from proxy.registry import Registry, Worker
@@ -43,7 +43,6 @@ class Journey:
         self.metrics = metrics
         self.pool = pool
         self.instance_id = instance_id
-        self._model_labels: set[str] = set()
 
     async def serve(self, client: ClientConnection, req: IncomingRequest) -> None:
         """Answer `req` on `client`, whatever happens; the client's next request waits until then."""
@@ -64,7 +63,7 @@ class Journey:
                 routed = await asyncio.to_thread(parse_request, body, req.kind, session_key)
             else:
                 routed = parse_request(body, req.kind, session_key)
-            model_label = self._label_for_requested_model(routed.model)
+            model_label = self.metrics.model_label(routed.model)
             served = self.dispatcher.resolve_model(routed.model)
             model_label = served
             check_request(routed, self.dispatcher.config, served)
@@ -86,16 +85,6 @@ class Journey:
                 ProxyError(500, "The proxy failed to handle this request.", "server_error", code="internal_error"),
                 {"x-request-id": rid}, client.keep_alive))
         client.response_done()
-
-    def _label_for_requested_model(self, name: str) -> str:
-        """`name` as a metrics label while few distinct names were seen, then "other": each label
-        value lives in /metrics for good, and clients choose these names."""
-        if name in self._model_labels:
-            return name
-        if len(self._model_labels) < MAX_MODEL_LABELS:
-            self._model_labels.add(name)
-            return name
-        return "other"
 
     # --- pick -> forward -> retry -----------------------------------------------------------
     async def _route(self, client: ClientConnection, req: IncomingRequest, routed: RoutedRequest, served: str,
