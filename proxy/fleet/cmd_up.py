@@ -125,6 +125,15 @@ def _cli() -> str:
     return _short_path(here) if here.exists() else f"{sys.executable} -m proxy.cli"
 
 
+def _status_hint(proxy_url: str, width: int) -> str:
+    """The `status:` line; split with a shell line continuation when a long venv path would wrap it mid-URL."""
+    line = f"status:    {_cli()} status --proxy {proxy_url}"
+    if len(line) <= width:
+        return line
+    head, tail = line.split(" --proxy ", 1)
+    return f"{head} \\\n           --proxy {tail}"
+
+
 def _short_path(path: Path) -> str:
     """Relative to the current folder when it is below it (.venv/bin/kvroute), else absolute."""
     rel = os.path.relpath(path)
@@ -276,9 +285,8 @@ async def _print_status(console: Any, manager: Any, proxy_url: str, ready: bool,
         console.print(f"[bold yellow]not every worker is ready[/] ({'failed: ' + failed if failed else 'still starting'});"
                       f" endpoint {proxy_url}/v1; see `kvroute status --proxy {proxy_url}`")
     console.print(Group(*fleet_tables(workers, manager.snapshot(), now=time.time(), width=console.width)))
-    cli = _cli()
     console.print(f"dashboard: {proxy_url}/dashboard\n"
-                  f"status:    {cli} status --proxy {proxy_url}\n"
+                  f"{_status_hint(proxy_url, console.width)}\n"
                   f"logs:      {_short_path(run_dir)}/ ({LOG_FILE}, one file per worker)\n"
                   f"stop:      Ctrl-C here (drains every worker first), or kill -INT {os.getpid()}",
                   highlight=False)
