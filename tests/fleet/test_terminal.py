@@ -194,3 +194,11 @@ def test_manager_starting_is_not_shown_when_the_proxy_knows_better():
         console.print(part)
     text = console.export_text()
     assert "stale" in text and "last load report 12s ago" in text and "starting" not in text
+
+
+def test_status_hint_splits_a_long_command_with_a_line_continuation():
+    from proxy.fleet.cmd_up import _status_hint
+
+    hint = _status_hint("http://127.0.0.1:35801", 60)
+    assert all(len(line) <= 60 for line in hint.splitlines()[1:]), hint
+    assert hint.splitlines()[0].endswith(" \\") and hint.splitlines()[1].strip() == "--proxy http://127.0.0.1:35801"
