@@ -134,6 +134,10 @@ class ProxyConfig(_Strict):
     @classmethod
     def _empty_token_is_none(cls, v: str | None) -> str | None:
         return v if v is not None and v.strip() else None  # `${KVROUTE_ADMIN_TOKEN:-}` unset means no token
+    otlp_endpoint: str | None = Field(None, description=(
+        "OpenTelemetry collector (OTLP/HTTP, e.g. http://127.0.0.1:4318): one trace per /v1 request; unset: "
+        "OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing"))
+    access_log: bool = Field(True, description="one JSON line per /v1 request on the kvroute.access logger (INFO)")
 
     @field_validator("worker_networks", "trusted_worker_networks")
     @classmethod

@@ -19,6 +19,7 @@ from proxy.dataplane.pool import UpstreamPool
 from proxy.dispatch import Dispatcher
 from proxy.errors import ProxyError
 from proxy.metrics import ProxyMetrics
+from proxy.observability.watch import Observer, RequestWatch
 from proxy.registry import Registry, Worker
 from proxy.request import RoutedRequest, parse_request
 from proxy.retry_policy import Action, Attempt, Failure, Verdict, classify
@@ -37,16 +38,19 @@ class Journey:
     """Serves /v1/chat/completions and /v1/completions for the data plane."""
 
     def __init__(self, dispatcher: Dispatcher, registry: Registry, metrics: ProxyMetrics, pool: UpstreamPool,
-                 instance_id: str) -> None:
+                 instance_id: str, observer: Observer | None = None) -> None:
         self.dispatcher = dispatcher
         self.registry = registry
         self.metrics = metrics
         self.pool = pool
         self.instance_id = instance_id
+        # traces, access log, explained decisions (proxy/observability/watch.py)
+        self.observer = observer or Observer.from_config(dispatcher.proxy_config)
 
     async def serve(self, client: ClientConnection, req: IncomingRequest) -> None:
         """Answer `req` on `client`, whatever happens; the client's next request waits until then."""
         rid = request_id(req.header(b"x-request-id"))
+        watch = self.observer.watch(req, client.peer, rid)
         model_label = "unknown"
         answered = False
         try:
@@ -66,11 +70,13 @@ class Journey:
             model_label = self.metrics.model_label(routed.model)
             served = self.dispatcher.resolve_model(routed.model)
             model_label = served
+            watch.parsed(served, routed.stream, principal, routed.prompt_tokens)
             check_request(routed, self.dispatcher.config, served)
             await self.dispatcher.client_auth.admit(principal, served, routed.expected_kv_tokens)
             answered = True
-            await self._route(client, req, routed, served, rid)
+            await self._route(client, req, routed, served, rid, watch)
         except ProxyError as exc:
+            watch.answered(exc.status, exc.code)
             self.metrics.rejections.labels(model_label, exc.code or str(exc.status)).inc()
             self.metrics.requests.labels(model_label, "", str(exc.status)).inc()
             client.write(http.error_response(exc, {"x-request-id": rid}, client.keep_alive))
@@ -81,14 +87,17 @@ class Journey:
             if answered:  # part of an answer may be out: the connection cannot carry another
                 client.abort()
                 return
+            watch.answered(500, "internal_error")
             client.write(http.error_response(
                 ProxyError(500, "The proxy failed to handle this request.", "server_error", code="internal_error"),
                 {"x-request-id": rid}, client.keep_alive))
+        finally:
+            watch.finish()
         client.response_done()
 
     # --- pick -> forward -> retry -----------------------------------------------------------
     async def _route(self, client: ClientConnection, req: IncomingRequest, routed: RoutedRequest, served: str,
-                     rid: str) -> None:
+                     rid: str, watch: RequestWatch) -> None:
         dispatcher = self.dispatcher
         metrics = self.metrics
         retries = dispatcher.proxy_config.retries
@@ -97,7 +106,8 @@ class Journey:
         # Everything of the upstream head but the request line, Host and the worker's own key.
         common = b"".join((
             http.filtered(req.headers, http.HOP_BY_HOP,
-                          http.connection_named(req.headers) | http.CLIENT_CREDENTIALS | http.TO_WORKER_REPLACED),
+                          http.connection_named(req.headers) | http.CLIENT_CREDENTIALS | http.TO_WORKER_REPLACED
+                          | watch.replaces),
             b"x-request-id: ", rid.encode(), b"\r\nx-kvroute-via: ",
             via_chain(req.header(VIA_HEADER), self.instance_id),
             b"\r\nContent-Length: %d\r\n" % len(body)))
@@ -107,18 +117,21 @@ class Journey:
         last_failure: Retryable | None = None
         last_worker: Worker | None = None
         for attempt in range(retries + 1):
+            watch.picking()
             decision = await dispatcher.pick(policy, routed, served, tried, first_attempt=attempt == 0)
             if decision is None:
                 break
             worker = decision.worker
             tried.add(worker.worker_id)
             metrics.decisions.labels(policy.name, worker.worker_id, decision.reason).inc()
+            explained = watch.decided(worker.worker_id, decision.reason, decision.scores, policy.name)
             endpoint = self.pool.endpoint(worker.url)
             api_key = getattr(worker, "api_key", None)
             head = b"".join((b"POST ", endpoint.base_path, req.url, b" HTTP/1.1\r\nHost: ", endpoint.host_header,
-                             b"\r\n", common,
+                             b"\r\n", common, watch.upstream(worker.worker_id, worker.url),
                              b"Authorization: Bearer %s\r\n" % api_key.encode() if api_key else b"", b"\r\n"))
-            extra = b"x-kvroute-worker: %s\r\nx-request-id: %s\r\n" % (worker.worker_id.encode(), rid.encode())
+            extra = b"x-kvroute-worker: %s\r\nx-request-id: %s\r\n%s" % (worker.worker_id.encode(), rid.encode(),
+                                                                           explained)
             exchange = Exchange(client, mode, extra, dispatcher.proxy_config.timeouts)
             ticket = dispatcher.begin(decision, policy, routed)
             outcome: Retryable | Relayed | None = None
@@ -130,6 +143,7 @@ class Journey:
             finally:
                 # Every path (success, worker failure, client disconnect/cancel) lands here exactly once.
                 dispatcher.end(ticket, outcome.first_byte_at if isinstance(outcome, Relayed) else None)
+                watch.attempt_ended(outcome)
             if isinstance(outcome, Retryable):
                 last_failure, last_worker = outcome, worker
                 verdict = classify(_attempt(outcome), attempt + 1, retries + 1, statuses)
@@ -144,7 +158,7 @@ class Journey:
                     if verdict.delay_s:
                         await asyncio.sleep(verdict.delay_s)
                     continue
-                self._answer_failure(client, served, verdict, outcome, worker, rid)
+                self._answer_failure(client, served, verdict, outcome, worker, rid, watch)
                 return
             self._record(served, worker, outcome, req.started)
             return
@@ -167,12 +181,13 @@ class Journey:
             metrics.ttft.labels(served).observe(outcome.first_byte_at - started)
 
     def _answer_failure(self, client: ClientConnection, served: str, verdict: Verdict, failure: Retryable,
-                        worker: Worker, rid: str) -> None:
+                        worker: Worker, rid: str, watch: RequestWatch) -> None:
         """A failed attempt that retry_policy says goes back to the client (not retried)."""
         if verdict.action in (Action.PASS_THROUGH, Action.UNAVAILABLE):
             self._exhausted(client, served, failure, worker, rid)
             return
         status = verdict.status or 502
+        watch.answered(status)
         self.metrics.requests.labels(served, worker.worker_id, str(status)).inc()
         err_type = "invalid_request_error" if status < 500 else "server_error"
         exc = ProxyError(status, verdict.message or failure.detail, err_type, code=verdict.code)

@@ -181,6 +181,7 @@ class DataPlane:
         for conn in list(self.connections):
             conn.abort()
         self.pool.close()
+        await asyncio.to_thread(self.journey.observer.close)  # spans still queued go to the collector
 
     async def passthrough(self, client: ClientConnection, req: IncomingRequest) -> None:
         """Hand a non-completion request to the control-plane app, as sent, and relay its answer."""

@@ -1,178 +1,192 @@
-"""OpenTelemetry spans for one proxied request: receive, parse, route (with each candidate's predicted
-cost), queue, and the upstream attempt (connect, first byte, last byte); W3C traceparent in and out.
+"""OpenTelemetry spans for one proxied request, recorded cheaply on the loop and exported by the SDK's
+BatchSpanProcessor on its own thread (OTLP/HTTP when `proxy.otlp_endpoint` or OTEL_EXPORTER_OTLP_* is set).
 
-Owns the span tree and its export (OTLP over HTTP when `proxy.otlp_endpoint` or OTEL_EXPORTER_OTLP_*
-is set). Not wired into the request path here: the data plane calls `Tracing.begin()` per request.
-With no endpoint, `NO_TRACING` hands out one shared do-nothing trace, so tracing off costs a call.
+Owns the span tree (kvroute.request > route, queue, upstream), W3C traceparent in and out, and the export
+settings. Not when to call it: proxy/observability/watch.py does that for the data plane. Spans are built
+as finished ReadableSpans at the end of their phase (plain dicts, no SDK tracer, locks or attribute checks:
+the tracer's own path cost ~50 us a span here); the processor queues them and exports off the loop.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator, Mapping, Sequence
+import random
+import re
+import time
+from collections.abc import Mapping
 from typing import Any
 
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
 SERVICE_NAME = "kvroute-proxy"
+TRACEPARENT = b"traceparent"
+# version-traceid-parentid-flags (W3C Trace Context, level 1); a future version may append fields
+_TRACEPARENT = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_OK = Status(StatusCode.UNSET)
+_ERROR = Status(StatusCode.ERROR)
+# Candidates listed on a route span: the best ones by the policy's score (lower is better).
+ROUTE_CANDIDATES = 16
+
+
+def parse_traceparent(value: bytes | None) -> tuple[int, int, bool] | None:
+    """(trace id, parent span id, sampled) of a valid W3C traceparent header value; None otherwise."""
+    if not value:
+        return None
+    match = _TRACEPARENT.fullmatch(value.strip().lower())
+    if match is None:
+        return None
+    version, trace_hex, span_hex, flags = match.group(1, 2, 3, 4)
+    if version == b"ff" or (version == b"00" and match.group(5)):
+        return None
+    trace_id, span_id = int(trace_hex, 16), int(span_hex, 16)
+    if not trace_id or not span_id:
+        return None
+    return trace_id, span_id, bool(int(flags, 16) & 1)
+
+
+def best_candidates(scores: Mapping[str, float] | None, limit: int) -> list[tuple[str, float]]:
+    """The `limit` lowest-scored (worker id, score) pairs, best first."""
+    if not scores:
+        return []
+    items = sorted(scores.items(), key=lambda kv: kv[1]) if len(scores) <= 4 * limit else None
+    if items is None:
+        import heapq
+
+        items = heapq.nsmallest(limit, scores.items(), key=lambda kv: kv[1])
+    return items[:limit]
 
 
 class RequestTrace:
-    """The spans of one request; every method is safe to call in any order, and more than once."""
+    """The spans of one request. Times are time.monotonic() seconds; each span is handed to the processor
+    once finished. Every method may be called in any order; a missing phase is simply left out."""
 
-    def __init__(self, tracer: Any, propagator: Any, headers: Mapping[str, str], attributes: dict[str, Any]) -> None:
-        from opentelemetry import trace
+    __slots__ = ("tracing", "trace_id", "root_id", "remote_parent", "offset_ns", "start_ns", "attributes",
+                 "events", "up_id", "up_start_ns", "up_attributes", "attempts")
 
-        self._trace = trace
-        self._tracer = tracer
-        self._propagator = propagator
-        parent = propagator.extract(carrier={k.lower(): v for k, v in headers.items()})
-        self.root = tracer.start_span("kvroute.request", context=parent, kind=trace.SpanKind.SERVER,
-                                      attributes=attributes)
-        self._ctx = trace.set_span_in_context(self.root)
-        self._upstream: Any = None
-        self._upstream_ctx: Any = None
-        self._waiting: Any = None  # the open upstream phase (connect, then first byte, then last byte)
+    def __init__(self, tracing: Tracing, trace_id: int, remote_parent: SpanContext | None, started: float,
+                 attributes: dict[str, Any]) -> None:
+        self.tracing = tracing
+        self.trace_id = trace_id
+        self.root_id = tracing.rng.getrandbits(64) or 1
+        self.remote_parent = remote_parent
+        # monotonic -> wall clock, once per request: OTLP wants Unix nanoseconds
+        self.offset_ns = time.time_ns() - time.monotonic_ns()
+        self.start_ns = int(started * 1e9) + self.offset_ns
+        self.attributes = attributes
+        self.events: list[Event] = []
+        self.up_id = 0
+        self.up_start_ns = 0
+        self.up_attributes: dict[str, Any] | None = None
+        self.attempts = 0
 
-    @contextlib.contextmanager
-    def phase(self, name: str, **attributes: Any) -> Iterator[Any]:
-        """A child span of the request around a block: "receive", "parse", "queue", ..."""
-        span = self._tracer.start_span(name, context=self._ctx, attributes=attributes)
-        try:
-            yield span
-        except BaseException as exc:
-            span.record_exception(exc)
-            raise
-        finally:
-            span.end()
+    def _ns(self, monotonic_s: float) -> int:
+        return int(monotonic_s * 1e9) + self.offset_ns
 
-    def route(self, candidates: Sequence[tuple[str, float]], chosen: str | None, reason: str,
-              policy: str = "") -> None:
-        """The routing decision as a span: every candidate's predicted cost (seconds), the pick and why."""
+    def _now_ns(self) -> int:
+        return time.monotonic_ns() + self.offset_ns
+
+    def _context(self, span_id: int) -> SpanContext:
+        return SpanContext(self.trace_id, span_id, False, _SAMPLED)
+
+    def _emit(self, name: str, span_id: int, parent: SpanContext | None, kind: SpanKind, start_ns: int,
+              end_ns: int, attributes: dict[str, Any], events: list[Event] | tuple = (), status: Status = _OK) -> None:
+        tracing = self.tracing
+        tracing.processor.on_end(ReadableSpan(
+            name, self._context(span_id), parent, tracing.resource, attributes, events, (), kind, None, status,
+            start_ns, end_ns, tracing.scope))
+
+    def event(self, name: str, attributes: dict[str, Any] | None = None) -> None:
+        """A point in the request's life on its root span ("parsed", ...)."""
+        self.events.append(Event(name, attributes, self._now_ns()))
+
+    def route(self, started: float, ended: float, worker: str | None, reason: str, policy: str,
+              scores: Mapping[str, float] | None, held: bool) -> None:
+        """The decision as a `route` span: the best candidates with their scores, the pick, why, the policy;
+        and a `queue` span over the time the request was held in admission."""
+        start_ns, end_ns = self._ns(started), self._ns(ended)
+        root = self._context(self.root_id)
+        best = best_candidates(scores, ROUTE_CANDIDATES)
         attributes: dict[str, Any] = {"kvroute.policy": policy, "kvroute.reason": reason,
-                                      "kvroute.candidates": [w for w, _ in candidates],
-                                      "kvroute.candidate_costs_s": [float(c) for _, c in candidates]}
-        if chosen is not None:
-            attributes["kvroute.worker"] = chosen
-        span = self._tracer.start_span("route", context=self._ctx, attributes=attributes)
-        span.end()
+                                      "kvroute.candidates": [w for w, _ in best],
+                                      "kvroute.candidate_scores": [float(s) for _, s in best]}
+        if scores:
+            attributes["kvroute.candidates_scored"] = len(scores)
+        if worker is not None:
+            attributes["kvroute.worker"] = worker
+        rng = self.tracing.rng
+        if held:
+            self._emit("queue", rng.getrandbits(64) or 1, root, SpanKind.INTERNAL, start_ns, end_ns,
+                       {"kvroute.policy": policy})
+        self._emit("route", rng.getrandbits(64) or 1, root, SpanKind.INTERNAL, start_ns, end_ns, attributes)
 
-    # --- the upstream attempt -----------------------------------------------------------------
-    def upstream_start(self, worker: str, url: str) -> dict[str, str]:
-        """Open the upstream span (and its connect phase); the headers carry its traceparent to the worker."""
-        self._end_upstream()
-        self._upstream = self._tracer.start_span("upstream", context=self._ctx, kind=self._trace.SpanKind.CLIENT,
-                                                 attributes={"kvroute.worker": worker, "server.address": url})
-        self._upstream_ctx = self._trace.set_span_in_context(self._upstream)
-        self._waiting = self._tracer.start_span("upstream.connect", context=self._upstream_ctx)
-        carrier: dict[str, str] = {}
-        self._propagator.inject(carrier, context=self._upstream_ctx)
-        return carrier
+    def upstream_start(self, worker: str, url: str) -> bytes:
+        """Open the attempt's `upstream` span; the header line that carries its traceparent to the worker."""
+        self.attempts += 1
+        self.up_id = span_id = self.tracing.rng.getrandbits(64) or 1
+        self.up_start_ns = self._now_ns()
+        self.up_attributes = {"kvroute.worker": worker, "server.address": url, "kvroute.attempt": self.attempts}
+        return b"traceparent: 00-%032x-%016x-01\r\n" % (self.trace_id, span_id)
 
-    def upstream_sent(self) -> None:
-        """Connected and the request is written: now waiting for the first byte."""
-        self._next_phase("upstream.first_byte")
-
-    def upstream_first_byte(self) -> None:
-        self._next_phase("upstream.last_byte")
-
-    def upstream_end(self, status: int | None = None, error: str | None = None) -> None:
-        if self._upstream is not None:
-            if status is not None:
-                self._upstream.set_attribute("http.response.status_code", status)
-            if error:
-                self._upstream.set_status(self._trace.Status(self._trace.StatusCode.ERROR, error))
-        self._end_upstream()
-
-    def _next_phase(self, name: str) -> None:
-        if self._upstream_ctx is None:
+    def upstream_end(self, status: int | None, first_byte_at: float | None, error: str | None) -> None:
+        """Close the attempt's span: first byte as an event, last byte as its end, the worker's status."""
+        attributes = self.up_attributes
+        if attributes is None:
             return
-        if self._waiting is not None:
-            self._waiting.end()
-        self._waiting = self._tracer.start_span(name, context=self._upstream_ctx)
+        self.up_attributes = None
+        if status:
+            attributes["http.response.status_code"] = status
+        events = [Event("first_byte", None, self._ns(first_byte_at))] if first_byte_at is not None else ()
+        if error:
+            attributes["error.type"] = error
+        self._emit("upstream", self.up_id, self._context(self.root_id), SpanKind.CLIENT, self.up_start_ns,
+                   self._now_ns(), attributes, events, _ERROR if error else _OK)
 
-    def _end_upstream(self) -> None:
-        if self._waiting is not None:
-            self._waiting.end()
-        if self._upstream is not None:
-            self._upstream.end()
-        self._waiting = self._upstream = self._upstream_ctx = None
-
-    # --- the end ---------------------------------------------------------------------------------
-    def end(self, status: int, **attributes: Any) -> None:
-        self._end_upstream()
-        self.root.set_attribute("http.response.status_code", status)
-        for key, value in attributes.items():
-            self.root.set_attribute(key, value)
-        if status >= 500:
-            self.root.set_status(self._trace.Status(self._trace.StatusCode.ERROR))
-        self.root.end()
-
-
-class _NoTrace:
-    """Tracing off: every call does nothing."""
-
-    @contextlib.contextmanager
-    def phase(self, name: str, **attributes: Any) -> Iterator[None]:
-        yield None
-
-    def route(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def upstream_start(self, worker: str, url: str) -> dict[str, str]:
-        return {}
-
-    def upstream_sent(self) -> None:
-        pass
-
-    def upstream_first_byte(self) -> None:
-        pass
-
-    def upstream_end(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def end(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-
-_NO_TRACE = _NoTrace()
-
-
-class NoTracing:
-    enabled = False
-
-    def begin(self, headers: Mapping[str, str], **attributes: Any) -> _NoTrace:
-        return _NO_TRACE
-
-    def shutdown(self) -> None:
-        pass
-
-
-NO_TRACING = NoTracing()
+    def end(self, status: int, attributes: dict[str, Any]) -> None:
+        """Close the request's root span (and an attempt left open by a cancellation)."""
+        if self.up_attributes is not None:
+            self.upstream_end(None, None, "cancelled")
+        root_attributes = self.attributes
+        root_attributes.update(attributes)
+        if status:
+            root_attributes["http.response.status_code"] = status
+        self._emit("kvroute.request", self.root_id, self.remote_parent, SpanKind.SERVER, self.start_ns,
+                   self._now_ns(), root_attributes, self.events, _ERROR if status >= 500 else _OK)
 
 
 class Tracing:
-    """Spans through an OpenTelemetry TracerProvider (tests pass one with an in-memory exporter)."""
+    """Request traces into one span processor (BatchSpanProcessor over OTLP; tests pass a SimpleSpanProcessor
+    with the SDK's in-memory exporter)."""
 
-    enabled = True
+    def __init__(self, processor: SpanProcessor, resource: Resource | None = None,
+                 rng: random.Random | None = None) -> None:
+        self.processor = processor
+        self.resource = resource or Resource.create({"service.name": SERVICE_NAME})
+        self.scope = InstrumentationScope("kvroute")
+        self.rng = rng or random.Random()
 
-    def __init__(self, provider: Any) -> None:
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-        self.provider = provider
-        self.tracer = provider.get_tracer("kvroute")
-        self.propagator = TraceContextTextMapPropagator()
-
-    def begin(self, headers: Mapping[str, str], **attributes: Any) -> RequestTrace:
-        """Start a request's trace, as a child of the client's `traceparent` when it sent one."""
-        return RequestTrace(self.tracer, self.propagator, headers, attributes)
+    def begin(self, traceparent: bytes | None, started: float, attributes: dict[str, Any]) -> RequestTrace | None:
+        """A request's trace, a child of the client's span when it sent a traceparent. None when the client's
+        trace is not sampled: then its traceparent goes to the worker unchanged."""
+        parent = parse_traceparent(traceparent)
+        if parent is None:
+            return RequestTrace(self, self.rng.getrandbits(128) or 1, None, started, attributes)
+        trace_id, span_id, sampled = parent
+        if not sampled:
+            return None
+        return RequestTrace(self, trace_id, SpanContext(trace_id, span_id, True, _SAMPLED), started, attributes)
 
     def shutdown(self) -> None:
-        self.provider.shutdown()  # flushes what the batch processor holds
+        """Export what is queued and stop the export thread (blocking: call it off the loop)."""
+        self.processor.shutdown()
 
 
 def otlp_traces_url(configured: str | None, environ: Mapping[str, str] | None = None) -> str | None:
     """Where to send spans: proxy.otlp_endpoint, else OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (used as is), else
-    OTEL_EXPORTER_OTLP_ENDPOINT (+ /v1/traces); None when nothing is set."""
+    OTEL_EXPORTER_OTLP_ENDPOINT (+ /v1/traces); None when nothing is set or OTEL_SDK_DISABLED=true."""
     env = os.environ if environ is None else environ
     if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return None
@@ -185,16 +199,14 @@ def otlp_traces_url(configured: str | None, environ: Mapping[str, str] | None = 
     return base if base.endswith("/v1/traces") else base + "/v1/traces"
 
 
-def tracing_from_settings(otlp_endpoint: str | None, environ: Mapping[str, str] | None = None) -> Tracing | NoTracing:
-    """Tracing that exports over OTLP/HTTP in batches when an endpoint is set; NO_TRACING otherwise."""
+def tracing_from_settings(otlp_endpoint: str | None, environ: Mapping[str, str] | None = None) -> Tracing | None:
+    """Tracing that exports over OTLP/HTTP in batches when an endpoint is set; None (tracing off) otherwise.
+    The batch processor reads OTEL_BSP_* (queue size, delay) and the exporter OTEL_EXPORTER_OTLP_* (headers,
+    compression, timeout) as the SDK documents."""
     url = otlp_traces_url(otlp_endpoint, environ)
     if url is None:
-        return NO_TRACING
+        return None
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
-    return Tracing(provider)
+    return Tracing(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))

@@ -27,8 +27,9 @@ from proxy.errors import ProxyError, error_response
 log = logging.getLogger("kvroute.clientauth")
 
 # Lowercase names of the headers that carry a client's credentials; never forwarded to a worker.
+# (x-kvroute-admin-token: the admin token beside a client key, for x-kvroute-debug; observability/decision.py)
 CLIENT_CREDENTIAL_HEADERS: frozenset[str] = frozenset(
-    {"authorization", "api-key", "x-api-key", "cookie", "proxy-authorization"})
+    {"authorization", "api-key", "x-api-key", "cookie", "proxy-authorization", "x-kvroute-admin-token"})
 API_KEYS_ENV = "KVROUTE_API_KEYS"
 RATE_KEY = "kvroute:ratelimit:{}"  # Redis hash per key: both buckets' levels and last refill time
 # A Redis that fails makes the limiter use its local buckets for this long before trying again.

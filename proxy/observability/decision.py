@@ -1,0 +1,65 @@
+"""Explained decisions: the `x-kvroute-decision` response header an admin asks for with `x-kvroute-debug: 1`.
+
+Owns who may ask (the control plane's admin rule: the admin token, or a loopback caller while no admin token
+is configured) and the header's text (policy, reason, chosen worker, best candidates with their scores).
+Not the decision itself: only Decision's worker, reason and scores are read.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+from collections.abc import Mapping
+
+from proxy.observability.tracing import best_candidates
+from proxy.security.controlauth import presented_token, token_or_none
+from proxy.security.peer import is_loopback
+
+DEBUG_HEADER = b"x-kvroute-debug"
+DECISION_HEADER = b"x-kvroute-decision"
+# Where a client's Authorization carries its API key, the admin token comes in this header (never forwarded).
+ADMIN_TOKEN_HEADER = b"x-kvroute-admin-token"
+HEADER_CANDIDATES = 8
+MAX_ID_CHARS = 64
+_UNSAFE = re.compile(r"[^A-Za-z0-9._:/@+-]")
+
+
+class DebugGate:
+    """Whether a request's `x-kvroute-debug` is honoured: the same rule as the control plane's admin."""
+
+    def __init__(self, admin_token: str | None, open_control_plane: bool) -> None:
+        token = token_or_none(admin_token)
+        self.admin_token = token.encode() if token is not None else None
+        self.open = open_control_plane
+
+    def allows(self, peer: bytes, authorization: bytes | None, admin_header: bytes | None) -> bool:
+        expected = self.admin_token
+        if expected is None:
+            return self.open or is_loopback(peer.decode("latin-1"))
+        for given in (admin_header.strip() if admin_header else None,
+                      presented_token(authorization.decode("latin-1")) if authorization else None):
+            if given is not None and hmac.compare_digest(given, expected):
+                return True
+        return False
+
+
+def wants_debug(value: bytes | None) -> bool:
+    return value is not None and value.strip().lower() in (b"1", b"true", b"yes", b"on")
+
+
+def _safe(text: str) -> str:
+    return _UNSAFE.sub("_", text[:MAX_ID_CHARS])
+
+
+def explain(policy: str, reason: str, chosen: str, scores: Mapping[str, float] | None, attempt: int = 1) -> bytes:
+    """The header line: `policy=P; reason=R; chosen=W; candidates=W1:S1,W2:S2 (+N more)`, best (lowest) first,
+    at most HEADER_CANDIDATES of them, ASCII only. Policies that do not score give no candidates."""
+    parts = [f"policy={_safe(policy)}", f"reason={_safe(reason)}", f"chosen={_safe(chosen)}"]
+    if attempt > 1:
+        parts.append(f"attempt={attempt}")
+    best = best_candidates(scores, HEADER_CANDIDATES)
+    if best:
+        listed = ",".join(f"{_safe(w)}:{s:.4g}" for w, s in best)
+        more = len(scores) - len(best) if scores else 0
+        parts.append(f"candidates={listed}" + (f" (+{more} more)" if more > 0 else ""))
+    return DECISION_HEADER + b": " + "; ".join(parts).encode("ascii") + b"\r\n"
