@@ -125,3 +125,24 @@ def test_after_a_replica_is_killed_the_other_routes_to_every_live_worker_within_
     time.sleep(3.0)
     assert set(_ready(b)) == set(ids)
     assert all(w["reading_age_s"] < 1.0 for w in _ready(b).values())
+
+
+def test_every_replica_sees_every_workers_reports_within_one_report_interval(procs, tmp_path, redis_url):
+    a, b = _replica(procs, tmp_path, redis_url), _replica(procs, tmp_path, redis_url)
+    own = {"to-a": a, "to-b": b}
+    for worker_id, proxy in own.items():
+        _start_sim(procs, worker_id, free_port(), [proxy.url])
+    for proxy in (a, b):
+        proxy.wait_workers(lambda ws: {w["worker_id"] for w in ws if w["state"] == "ready"} == set(own),
+                           what="both workers ready on each replica")
+    lags: list[int] = []
+    deadline = time.monotonic() + 3.0  # 12 report intervals
+    while time.monotonic() < deadline:
+        for worker_id, proxy in own.items():
+            other = b if proxy is a else a
+            seq_own = proxy.worker(worker_id)["last_report"]["seq"]
+            seq_other = other.worker(worker_id)["last_report"]["seq"]  # read after: it had longer
+            lags.append(seq_own - seq_other)
+        time.sleep(0.05)
+    # the replica a worker does not talk to is never more than one report behind the one it does
+    assert len(lags) > 20 and max(lags) <= 1, lags
