@@ -199,6 +199,25 @@ async def test_load_reports_show_kv_usage_under_load(fleet):
                            for w in fleet.workers_view().values()), 30, 0.2, "reports to show idle engines")
 
 
+async def test_unreachable_image_urls_get_a_4xx_each_and_valid_requests_meanwhile_are_served(fleet):
+    # issue 12: vLLM answered these with a 500 that the proxy retried and counted against both breakers
+    dead_url = f"http://127.0.0.1:{free_port()}/cat.png"  # nothing listens there: the engine cannot fetch it
+    bad_content = [{"type": "image_url", "image_url": {"url": dead_url}}, {"type": "text", "text": "what is this?"}]
+    async with httpx.AsyncClient(base_url=fleet.proxy_url, timeout=120) as http:
+        def send(content):
+            return http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 4, "ignore_eos": True,
+                                                           "messages": [{"role": "user", "content": content}]})
+
+        responses = await asyncio.gather(*[send(bad_content) for _ in range(6)],
+                                         *[send(f"valid question {i}") for i in range(30)])
+    bad, good = responses[:6], responses[6:]
+    assert all(400 <= r.status_code < 500 for r in bad), [(r.status_code, r.text[:200]) for r in bad]
+    assert all(isinstance(r.json()["error"]["message"], str) for r in bad)
+    assert [r.status_code for r in good] == [200] * 30, [r.text[:200] for r in good if r.status_code != 200]
+    view = fleet.workers_view()
+    assert {w["state"] for w in view.values()} == {"ready"} and not any(w["breaker_open"] for w in view.values())
+
+
 def test_killed_engine_is_reported_failed_and_traffic_moves_to_the_other(fleet):
     victim, survivor = "vllm-a", "vllm-b"
     supervisor, port = fleet.workers[victim]
