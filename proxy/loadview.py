@@ -11,12 +11,17 @@ still in flight (est. prompt tokens + expected generated tokens each). A reading
 least DISPATCH_VISIBLE_AFTER_S after a dispatch is assumed to include it; a request that has
 finished no longer holds KV or a queue slot, so it stops counting at once. A worker with no reading
 at all (not reporting, /metrics unreadable) falls back to the proxy's own in-flight counts.
+
+Watchers (proxy/routing/candidates.py keeps its load order with them) are called after every event
+that changes these numbers; the only change time makes on its own is forgetting pending dispatches
+DISPATCH_FORGET_AFTER_S old, which happens when a view is asked for or forget_before() is called.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from proxy import promtext
 
@@ -58,7 +63,7 @@ class WorkerLoad:
 
     __slots__ = ("_capacity", "reading", "reading_at", "reading_source", "_pending", "_pending_tokens",
                  "_pending_count", "_pending_prefill", "in_flight", "in_flight_tokens", "dispatched_total",
-                 "finished_since_reading", "version", "_snapshot", "_snapshot_version")
+                 "finished_since_reading", "version", "_snapshot", "_snapshot_version", "watchers")
 
     def __init__(self, capacity_tokens: int | None = None) -> None:
         self._capacity = capacity_tokens or DEFAULT_CAPACITY_TOKENS
@@ -79,6 +84,19 @@ class WorkerLoad:
         # requests finished since the newest reading: each one let the engine admit one of the
         # requests it reported waiting (or was one of them, if it was sent just before the reading)
         self.finished_since_reading = 0
+        # called as watcher.load_changed(self) after each event that changes the views below
+        self.watchers: tuple[LoadWatcher, ...] = ()
+
+    def watch(self, watcher: LoadWatcher) -> None:
+        if watcher not in self.watchers:
+            self.watchers = (*self.watchers, watcher)
+
+    def unwatch(self, watcher: LoadWatcher) -> None:
+        self.watchers = tuple(w for w in self.watchers if w is not watcher)
+
+    def _changed(self) -> None:
+        for watcher in self.watchers:
+            watcher.load_changed(self)
 
     @property
     def capacity_tokens(self) -> int:
@@ -88,6 +106,8 @@ class WorkerLoad:
     def capacity_tokens(self, value: int) -> None:
         self._capacity = value
         self.version += 1
+        if self.watchers:
+            self._changed()
 
     # --- events -------------------------------------------------------------------------
     def record_reading(self, reading: EngineReading, now: float, source: str) -> None:
@@ -96,9 +116,11 @@ class WorkerLoad:
         self.reading_at = now
         self.reading_source = source
         if reading.capacity_tokens:
-            self.capacity_tokens = reading.capacity_tokens
+            self._capacity = reading.capacity_tokens
         self.finished_since_reading = 0
-        self._forget_before(now - DISPATCH_VISIBLE_AFTER_S)
+        self._forget_before(now - DISPATCH_VISIBLE_AFTER_S, notify=False)
+        if self.watchers:
+            self._changed()
 
     def start_request(self, kv_tokens: int, now: float, prefill_tokens: int = 0) -> Dispatch:
         """A request was sent to this worker; hand the result to finish_request exactly once."""
@@ -111,6 +133,8 @@ class WorkerLoad:
         self._pending_tokens += kv_tokens
         self._pending_count += 1
         self._pending_prefill += prefill_tokens
+        if self.watchers:
+            self._changed()
         return dispatch
 
     def finish_request(self, dispatch: Dispatch) -> None:
@@ -119,6 +143,8 @@ class WorkerLoad:
         self.in_flight_tokens -= dispatch.kv_tokens
         self.finished_since_reading += 1
         self._uncount(dispatch)
+        if self.watchers:
+            self._changed()
 
     # --- views --------------------------------------------------------------------------
     def projected_kv_usage(self, now: float) -> float:
@@ -167,6 +193,23 @@ class WorkerLoad:
         self._forget_before(now - DISPATCH_FORGET_AFTER_S)
         return max(0, reading.num_waiting + self._pending_count - self.finished_since_reading)
 
+    def usage_and_queue(self) -> tuple[float, int]:
+        """(projected_kv_usage, queue_depth) as of the last event, without forgetting (see forget_before)."""
+        reading = self.reading
+        if reading is None:
+            return self.in_flight_tokens / self._capacity, self.in_flight
+        return reading.kv_usage + self._pending_tokens / self._capacity, reading.num_waiting + self._pending_count
+
+    def admits(self) -> bool:
+        """engine_backlog() == 0 as of the last event, without forgetting (see forget_before)."""
+        reading = self.reading
+        return (reading is None or reading.num_waiting == 0
+                or reading.num_waiting + self._pending_count - self.finished_since_reading <= 0)
+
+    def forget_before(self, cutoff: float) -> None:
+        """Stop counting dispatches sent at or before `cutoff` (what the views do at now - DISPATCH_FORGET_AFTER_S)."""
+        self._forget_before(cutoff)
+
     def snapshot(self, now: float) -> LoadSnapshot:
         """Everything routing reads about this load at `now`, in one object (kept until the next event)."""
         pending = self._pending
@@ -185,11 +228,18 @@ class WorkerLoad:
             self._pending_count -= 1
             self._pending_prefill -= dispatch.prefill_tokens
 
-    def _forget_before(self, cutoff: float) -> None:
+    def _forget_before(self, cutoff: float, notify: bool = True) -> None:
         pending = self._pending
-        while pending and pending[0].at <= cutoff:
-            self._uncount(pending.popleft())
-            self.version += 1
+        if pending and pending[0].at <= cutoff:
+            while pending and pending[0].at <= cutoff:
+                self._uncount(pending.popleft())
+                self.version += 1
+            if notify and self.watchers:
+                self._changed()
+
+
+class LoadWatcher(Protocol):
+    def load_changed(self, load: WorkerLoad) -> None: ...
 
 
 class LoadSnapshot:

@@ -34,6 +34,7 @@ from proxy.errors import ProxyError, no_healthy_worker
 from proxy.registry import Registry, Worker
 from proxy.request import CHAT, RoutedRequest
 from proxy.routing.base import Decision, Policy
+from proxy.routing.candidates import CandidateIndex, Candidates
 from proxy.routing.estimator import FleetEstimator
 
 log = logging.getLogger("kvroute.admission")
@@ -60,6 +61,7 @@ class AdmissionController:
         self.estimator = estimator
         self._queues: dict[str, deque[_Waiter]] = {}
         self._waiting = 0
+        self.candidate_index = CandidateIndex(registry)
         registry.add_listener(self._on_registry_event)
 
     # --- the decision ------------------------------------------------------------------------
@@ -82,28 +84,27 @@ class AdmissionController:
             return None
         return await self._hold(policy, routed, served, tried)
 
-    def _decide(self, policy: Policy, routed: RoutedRequest, candidates: Sequence[Worker],
+    def _decide(self, policy: Policy, routed: RoutedRequest, candidates: Candidates,
                 position: int = 0) -> Decision | None:
         """The policy's pick, or None when holding is predicted to start the request sooner."""
         now = self.registry.clock()
         high_water = self.config.kv_high_water
-        if high_water < 1.0:
-            candidates = [w for w in candidates if w.load.projected_kv_usage(now) < high_water]
+        if high_water < 1.0:  # (off by default; O(candidates) per decision when on)
+            candidates = Candidates.of([w for w in candidates.workers if w.load.projected_kv_usage(now) < high_water])
             if not candidates:
                 return None
         if len(candidates) == 1:  # nothing to bind late to: the engine's own queue is as good
-            return policy.select(candidates, routed, now)
-        for worker in candidates:
-            if worker.load.engine_backlog(now) == 0:
-                return policy.select(candidates, routed, now)
+            return policy.select_from(candidates, routed, now)
+        if candidates.admitting(now):  # some engine admits at once (engine_backlog == 0)
+            return policy.select_from(candidates, routed, now)
         # every engine is queueing: bind late, to the first one that frees room, unless sending now
         # is predicted to start it sooner (its prefix owner, say)
-        decision = policy.select(candidates, routed, now)
+        decision = policy.select_from(candidates, routed, now)
         if decision.reason == "prefix_owner":
             return decision  # its owner's queue: a freed worker would prefill it again and evict for it
         if decision.predicted_ttft_s is None or decision.cold_prefill_s is None:
             return None
-        held_s = (position + 1) * self._slot_interval_s(candidates, routed) + decision.cold_prefill_s
+        held_s = (position + 1) * self._slot_interval_s(candidates.workers, routed) + decision.cold_prefill_s
         return decision if decision.predicted_ttft_s <= held_s else None
 
     def _slot_interval_s(self, candidates: Sequence[Worker], routed: RoutedRequest) -> float:
@@ -120,11 +121,18 @@ class AdmissionController:
             rate += max(running, 1) / max(turnover, 1e-3)
         return 1.0 / rate if rate > 0 else 0.0
 
-    def _fitting(self, served: str, routed: RoutedRequest, tried: set[str]) -> list[Worker]:
-        """Candidates whose max_model_len holds the request; 400 context_length_exceeded if none does."""
-        candidates = self.registry.candidates(served, exclude=tried)
+    def _fitting(self, served: str, routed: RoutedRequest, tried: set[str]) -> Candidates:
+        """Candidates whose max_model_len holds the request; 400 context_length_exceeded if none does.
+
+        From the candidate index's rosters (no per-worker work); the registry's list is filtered here
+        only where the index has no roster to offer (none untried fits, or only stale workers are left).
+        """
         output = _explicit_max_tokens(routed.payload)
         needed = routed.prompt_tokens + output
+        found = self.candidate_index.find(served, needed, tried)
+        if found is not None:
+            return found
+        candidates = self.registry.candidates(served, exclude=tried)
         fits = [w for w in candidates if w.max_model_len is None or needed <= w.max_model_len]
         if candidates and not fits:
             limit = max(w.max_model_len or 0 for w in candidates)
@@ -133,7 +141,7 @@ class AdmissionController:
                                   f"{needed} tokens (about {routed.prompt_tokens} in the {where}, {output} in the "
                                   f"completion). Please reduce the length of the {where} or completion.",
                              "invalid_request_error", code="context_length_exceeded", param=where)
-        return fits
+        return Candidates.of(fits)
 
     # --- holding -----------------------------------------------------------------------------
     async def _hold(self, policy: Policy, routed: RoutedRequest, served: str, tried: set[str]) -> Decision | None:

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from proxy.registry import Worker
 from proxy.request import RoutedRequest
+from proxy.routing.candidates import Candidates
 from proxy.routing.estimator import FleetEstimator
 from proxy.routing.prefix_index import PrefixIndex
 
@@ -68,6 +69,11 @@ class Policy(ABC):
     @abstractmethod
     def select(self, candidates: Sequence[Worker], request: RoutedRequest, now: float) -> Decision:
         ...
+
+    def select_from(self, candidates: Candidates, request: RoutedRequest, now: float) -> Decision:
+        """select() as admission calls it: a policy that need not see every candidate overrides this
+        (kv_aware reads the roster's load order); `candidates` is never empty."""
+        return self.select(candidates.workers, request, now)
 
     def on_dispatch(self, decision: Decision, request: RoutedRequest, now: float) -> None:
         """Called once the request is sent to decision.worker (hook for cache-aware policies)."""

@@ -17,22 +17,43 @@ excludes the part w already caches. PREFIX_WEIGHT was 0.3 at first: bench/qualit
 same images again and at 95% load 224 of 1047 VQA requests were refused; at 1.0 none were and
 goodput went from 35% to 98%, with chat and the two-model mix unchanged
 (bench/results/2026-11-29-quality.md, rows kv_aware@prefix_weight=1.0).
+
+Scale: admission hands select_from() a roster (proxy/routing/candidates.py) that keeps its members
+sorted by load_cost (the cost without the prefix term) and in flight as their loads change. For a
+worker the prefix index does not name, cost is exactly that key, so the cheapest of them is the
+first untried one in the order: above FULL_SCAN_UP_TO candidates only the SHORTLIST least loaded
+of those and every worker the index names for this prompt are scored, the same arithmetic as the
+full scan, and the minimum is the full scan's minimum. Ties: where the tie at the minimum reaches
+past the shortlist, the pick is uniform over every tied candidate (a range of the order), as the
+full scan's reservoir sampling makes it. Decision.scores then holds the scored workers only.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from bisect import bisect_left
+from collections.abc import Collection, Sequence
 
+from proxy.loadview import WorkerLoad
 from proxy.registry import Worker
 from proxy.request import RoutedRequest
 from proxy.routing.base import Decision, Policy
+from proxy.routing.candidates import Candidates, Entry, Roster
 
 log = logging.getLogger("kvroute.routing.kv_aware")
 
 QUEUE_WEIGHT = 0.02
 PREFIX_WEIGHT = 1.0
 PREFIX_SATURATION_TOKENS = 1024
+# With more candidates than this, score the SHORTLIST least loaded plus the prefix holders (module docstring).
+FULL_SCAN_UP_TO = 16
+SHORTLIST = 8
+
+
+def load_cost(load: WorkerLoad) -> float:
+    """cost() of a worker holding no prefix of the request, as of its load's last event (the roster's key)."""
+    usage, queue = load.usage_and_queue()
+    return usage + QUEUE_WEIGHT * queue
 
 
 def cached_tokens(request: RoutedRequest, depth: int) -> int:
@@ -75,6 +96,78 @@ class KvAwarePolicy(Policy):
         kv_tokens = max(0, request.prompt_tokens - best_cached) + request.expected_output_tokens
         return Decision(best, "lowest_cost", kv_tokens, scores)
 
+    def select_from(self, candidates: Candidates, request: RoutedRequest, now: float) -> Decision:
+        roster = candidates.roster
+        if roster is None or len(candidates) <= FULL_SCAN_UP_TO:
+            return self.select(candidates.workers, request, now)
+        roster.refresh(now)
+        entries = roster.order(load_cost)
+        excluded = candidates.excluded
+        scores: dict[str, float] = {}
+        # the workers the prefix index names: scored as select() scores them
+        depths: dict[str, int] = {}
+        holders: list[tuple[Worker, int, tuple[float, int]]] = []  # (worker, cached tokens, cost key)
+        if request.prefix_hashes:
+            depths = self.deps.prefix_index.match(request.prefix_hashes, None, now)
+            for wid, depth in depths.items():
+                member = roster.member(wid)
+                if member is None or wid in excluded:
+                    continue
+                load = member.load
+                cached = cached_tokens(request, depth)
+                cost = (load.projected_kv_usage(now) + QUEUE_WEIGHT * load.queue_depth(now)
+                        - PREFIX_WEIGHT * min(1.0, cached / PREFIX_SATURATION_TOKENS))
+                scores[wid] = cost
+                holders.append((member.worker, cached, (round(cost, 9), load.in_flight)))
+        # every other candidate costs its order key: the first SHORTLIST of them are the cheapest
+        shortlist: list[Entry] = []
+        i, size = 0, len(entries)
+        while len(shortlist) < SHORTLIST and i < size:
+            entry = entries[i]
+            i += 1
+            wid = entry[3].worker.worker_id
+            if wid not in depths and wid not in excluded:
+                shortlist.append(entry)
+                scores[wid] = entry[0]
+        best_key = min([h[2] for h in holders] + [shortlist[0][:2]] if shortlist else [h[2] for h in holders])
+        tied = [(w, cached) for w, cached, key in holders if key == best_key]
+        tied += [(e[3].worker, 0) for e in shortlist if e[:2] == best_key]
+        if len(shortlist) == SHORTLIST and shortlist[-1][:2] == best_key:
+            # the tie at the minimum may reach past the shortlist: pick among all of it, as select() would
+            best, best_cached = self._among_tied(roster, entries, best_key, tied[:len(tied) - SHORTLIST], depths,
+                                                 excluded)
+        elif len(tied) == 1:
+            best, best_cached = tied[0]
+        else:  # ties: each of the tied workers equally likely
+            best, best_cached = tied[int(self.deps.rng.random() * len(tied))]
+        if log.isEnabledFor(logging.DEBUG):
+            scored = [w for w, _, _ in holders] + [e[3].worker for e in shortlist]
+            log.debug("model=%s prompt_tokens=%d scored %d of %d candidates: %s -> %s (cached %d tokens)",
+                      request.model, request.prompt_tokens, len(scored), len(candidates),
+                      self._explain(scored, scores, depths, request, now), best.worker_id, best_cached)
+        kv_tokens = max(0, request.prompt_tokens - best_cached) + request.expected_output_tokens
+        return Decision(best, "lowest_cost", kv_tokens, scores)
+
+    def _among_tied(self, roster: Roster, entries: Sequence[Entry], key: tuple[float, int],
+                    tied_holders: Sequence[tuple[Worker, int]], depths: dict[str, int],
+                    excluded: Collection[str]) -> tuple[Worker, int]:
+        """(worker, cached tokens) uniformly among the candidates whose cost key is `key`: the holders
+        given, and the untried non-holders in the order's range of that load key."""
+        lo = bisect_left(entries, key)
+        hi = bisect_left(entries, (key[0], key[1] + 1))
+        outside = 0  # members in [lo, hi) that are not tied candidates there: tried, or holders (scored apart)
+        for wid in {*excluded, *depths}:
+            member = roster.member(wid)
+            if member is not None and member.key is not None and member.key[:2] == key:
+                outside += 1
+        rng = self.deps.rng
+        pick = rng.randrange(len(tied_holders) + (hi - lo) - outside)
+        if pick < len(tied_holders):
+            return tied_holders[pick]
+        while True:  # uniform over the range's candidates: draw until one is (most are)
+            worker = entries[lo + rng.randrange(hi - lo)][3].worker
+            if worker.worker_id not in excluded and worker.worker_id not in depths:
+                return worker, 0
     def on_dispatch(self, decision: Decision, request: RoutedRequest, now: float) -> None:
         if request.prefix_hashes:
             self.deps.prefix_index.insert(request.prefix_hashes, decision.worker.worker_id, now)

@@ -1,0 +1,210 @@
+"""Decisions without a fleet scan: kv_aware's shortlist picks what its full scan picks, and the load order stays true.
+
+On seeded random fleets (real Registry, AdmissionController, PrefixIndex; a hand-set clock): random
+readings, dispatches and finishes, old dispatches that time forgets, prefixes held by a few workers,
+tried workers. select_from() (the roster's load order, SHORTLIST least loaded + prefix holders) must
+pick a worker whose cost key equals the best of select() over every candidate; ties at the minimum
+are shared by every tied worker, not just the first few in the order.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import orjson
+import pytest
+
+from proxy.config import ProxyConfig
+from proxy.errors import ProxyError
+from proxy.loadview import DISPATCH_FORGET_AFTER_S, Dispatch, EngineReading
+from proxy.protocol import WorkerRegistration
+from proxy.registry import Registry, Worker
+from proxy.request import CHAT, parse_request
+from proxy.routing.admission import AdmissionController
+from proxy.routing.base import PolicyDeps, make_policy
+from proxy.routing.candidates import Roster, members_in_order
+from proxy.routing.kv_aware import QUEUE_WEIGHT, SHORTLIST, load_cost
+from proxy.routing.prefix_index import PrefixIndex
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+SYSTEMS = [" ".join(f"s{k}w{j}" for j in range(20 + 25 * k)) for k in range(12)]
+
+
+def chat(i: int, system: str | None, max_tokens: int = 64):
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": f"question {i} " + "x " * (i % 50)}]
+    return parse_request(orjson.dumps({"model": "m", "messages": messages, "max_tokens": max_tokens}), CHAT)
+
+
+class Fleet:
+    """A registry of n workers (some scraped rather than reporting), admission and kv_aware over it."""
+
+    def __init__(self, n: int, seed: int, max_model_len: dict[int, int] | None = None) -> None:
+        self.rng = random.Random(seed)
+        self.clock = Clock()
+        self.registry = Registry(clock=self.clock)
+        self.deps = PolicyDeps(prefix_index=PrefixIndex(), rng=random.Random(seed))
+        self.admission = AdmissionController(self.registry, ProxyConfig(), self.deps.estimator)
+        self.policy = make_policy("kv_aware", self.deps)
+        self.dispatches: list[tuple[Worker, Dispatch]] = []
+        for i in range(n):
+            self.registry.register(WorkerRegistration(
+                worker_id=f"w{i}", url=f"http://w{i}", models=["m"], engine="sim", kv_capacity_tokens=100_000,
+                max_model_len=(max_model_len or {}).get(i % 4), reports=False))
+
+    def workers(self) -> list[Worker]:
+        return self.registry.workers()
+
+    def churn(self, events: int) -> None:
+        """Random readings, dispatches, finishes and prefix inserts; time moves on (old dispatches expire)."""
+        rng, clock = self.rng, self.clock
+        workers = self.workers()
+        for _ in range(events):
+            worker = rng.choice(workers)
+            kind = rng.random()
+            if kind < 0.25:
+                # coarse values, so that equal costs (ties) happen
+                reading = EngineReading(rng.choice([0.0, 0.25, 0.5, 0.75]), rng.randrange(8), rng.choice([0, 0, 0, 2]))
+                self.registry.record_scrape(worker, reading)
+            elif kind < 0.6:
+                self.dispatches.append((worker, worker.load.start_request(rng.choice([0, 500, 2000]), clock.now)))
+                if rng.random() < 0.3:
+                    seen = chat(0, rng.choice(SYSTEMS))
+                    self.deps.prefix_index.insert(seen.prefix_hashes, worker.worker_id, clock.now)
+            elif kind < 0.85 and self.dispatches:
+                w, d = self.dispatches.pop(rng.randrange(len(self.dispatches)))
+                w.load.finish_request(d)
+            else:
+                clock.now += rng.choice([0.01, 0.3, DISPATCH_FORGET_AFTER_S / 2])
+
+    def candidates(self, request, tried=()):
+        return self.admission._fitting("m", request, set(tried))
+
+
+def full_scan_best(fleet: Fleet, candidates, request) -> tuple[tuple[float, int], dict[str, float]]:
+    """The full scan's minimum cost key over every candidate, and every candidate's cost."""
+    decision = fleet.policy.select(list(candidates.workers), request, fleet.clock.now)
+    by_id = {w.worker_id: w for w in candidates.workers}
+    scores = decision.scores or {}
+    best = min((round(cost, 9), by_id[wid].load.in_flight) for wid, cost in scores.items())
+    return best, scores
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_shortlist_picks_a_worker_as_cheap_as_the_full_scans_best(seed):
+    rng = random.Random(seed)
+    fleet = Fleet(rng.randint(50, 200), seed)
+    checked = 0
+    for round_ in range(40):
+        fleet.churn(rng.randint(5, 80))
+        for i in range(5):
+            request = chat(round_ * 10 + i, rng.choice(SYSTEMS) if i % 2 else None)  # half without a prefix
+            tried = {f"w{rng.randrange(len(fleet.workers()))}" for _ in range(rng.choice([0, 0, 1, 3]))}
+            candidates = fleet.candidates(request, tried)
+            assert candidates.roster is not None and len(candidates) > SHORTLIST * 2
+            fast = fleet.policy.select_from(candidates, request, fleet.clock.now)
+            best, scores = full_scan_best(fleet, candidates, request)
+            assert fast.worker.worker_id not in tried
+            assert (round(scores[fast.worker.worker_id], 9), fast.worker.load.in_flight) == best
+            # what it expects to add there counts the same cached prefix as the full scan would
+            assert len(fast.scores or {}) <= SHORTLIST + len(fleet.deps.prefix_index.match(
+                request.prefix_hashes, None, fleet.clock.now))
+            checked += 1
+    assert checked == 200
+
+
+def test_a_tie_at_the_minimum_is_shared_by_every_tied_worker_not_only_the_first_in_the_order():
+    fleet = Fleet(120, 7)
+    for worker in fleet.workers():  # an idle fleet: every worker costs the same
+        fleet.registry.record_scrape(worker, EngineReading(0.0, 0, 0))
+    busy = fleet.workers()[:20]
+    for worker in busy:
+        fleet.registry.record_scrape(worker, EngineReading(0.5, 4, 0))
+    request = chat(1, None)
+    candidates = fleet.candidates(request, tried={"w30", "w31"})
+    picks = Counter(fleet.policy.select_from(candidates, request, fleet.clock.now).worker.worker_id
+                    for _ in range(3000))
+    idle = {w.worker_id for w in fleet.workers()[20:]} - {"w30", "w31"}
+    assert set(picks) == idle  # every tied worker gets some, no busy or tried one any
+    assert max(picks.values()) < 3 * 3000 / len(idle)
+
+
+def assert_order_is_true(fleet: Fleet, roster: Roster) -> None:
+    now = fleet.clock.now
+    roster.refresh(now)
+    entries = list(roster.order(load_cost))  # (a copy: computing the views below may not move anything)
+    admitting = roster.admitting
+    assert entries == sorted(entries)
+    fresh = {w.worker_id: (round(w.load.projected_kv_usage(now) + QUEUE_WEIGHT * w.load.queue_depth(now), 9),
+                           w.load.in_flight) for w in roster.workers}
+    assert [e[:2] for e in entries] == [fresh[w.worker_id] for w in members_in_order(entries)]
+    assert [w.worker_id for w in members_in_order(entries)] != [] and len(entries) == len(roster.workers)
+    assert {w.worker_id for w in members_in_order(entries)} == {w.worker_id for w in roster.workers}
+    assert admitting == sum(1 for w in roster.workers if w.load.engine_backlog(now) == 0)
+
+
+def test_the_load_order_stays_true_through_reports_dispatches_finishes_time_and_membership():
+    fleet = Fleet(80, 3)
+    roster = fleet.candidates(chat(0, None)).roster
+    assert roster is not None
+    roster.order(load_cost)
+    for step in range(60):
+        fleet.churn(25)
+        if step % 10 == 3:  # a worker leaves, another comes, one registers again (same load, new object)
+            fleet.registry.remove(f"w{step}")
+            fleet.registry.register(WorkerRegistration(worker_id=f"new{step}", url=f"http://new{step}",
+                                                       models=["m"], engine="sim", reports=False))
+            again = fleet.registry.get(f"w{step + 1}")
+            assert again is not None
+            fleet.registry.register(again.registration)
+        if step % 10 == 6:  # a drained worker stops being a candidate
+            fleet.registry.drain(f"w{step}")
+        fleet.candidates(chat(step, None))  # the roster follows the registry's candidates
+        assert_order_is_true(fleet, roster)
+    ids = {w.worker_id for w in roster.workers}
+    assert "new3" in ids and "w3" not in ids and "w6" not in ids
+
+
+def test_forgotten_dispatches_reorder_workers_no_event_touched():
+    fleet = Fleet(40, 5)
+    for worker in fleet.workers():
+        fleet.registry.record_scrape(worker, EngineReading(0.2, 2, 0))
+    roster = fleet.candidates(chat(0, None)).roster
+    assert roster is not None
+    roster.order(load_cost)
+    loaded = fleet.registry.get("w7")
+    assert loaded is not None
+    for _ in range(10):
+        loaded.load.start_request(20_000, fleet.clock.now)
+    entries = roster.order(load_cost)
+    assert entries[-1][3].worker is loaded and entries[-1][0] > entries[0][0]
+    fleet.clock.now += DISPATCH_FORGET_AFTER_S + 0.1  # nothing happens to w7: time alone forgets those
+    assert_order_is_true(fleet, roster)
+    entries = roster.order(load_cost)
+    # its KV estimate is gone (still in flight: last among equals by the in-flight tie-break)
+    assert entries[-1][3].worker is loaded and entries[-1][0] == entries[0][0] == 0.2
+
+
+def test_a_request_longer_than_some_workers_context_goes_only_to_the_others_and_400_past_all():
+    fleet = Fleet(100, 9, max_model_len={0: 2048, 1: 8192, 2: 32768})  # a quarter has no stated limit
+    short, long_ = chat(1, None), chat(2, None, max_tokens=6000)
+    assert len(fleet.candidates(short)) == 100
+    fitting = fleet.candidates(long_)
+    assert len(fitting) == 75 and all(w.max_model_len != 2048 for w in fitting.workers)
+    for _ in range(50):
+        assert fleet.policy.select_from(fitting, long_, fleet.clock.now).worker.max_model_len != 2048
+    huge = chat(3, None, max_tokens=40_000)
+    assert {w.max_model_len for w in fleet.candidates(huge).workers} == {None}
+    bounded = Fleet(30, 2, max_model_len={0: 2048, 1: 8192, 2: 32768, 3: 4096})
+    with pytest.raises(ProxyError) as refused:
+        bounded.candidates(huge)
+    assert refused.value.status == 400 and refused.value.code == "context_length_exceeded"
