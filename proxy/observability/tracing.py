@@ -1,5 +1,5 @@
 """OpenTelemetry spans for one proxied request, recorded cheaply on the loop and exported by the SDK's
-BatchSpanProcessor on its own thread (OTLP/HTTP when `proxy.otlp_endpoint` or OTEL_EXPORTER_OTLP_* is set).
+BatchSpanProcessor on its own thread (OTLP/HTTP protobuf, otlp.py, when `proxy.otlp_endpoint` or OTEL_EXPORTER_OTLP_* is set).
 
 Owns the span tree (kvroute.request > route, queue, upstream), W3C traceparent in and out, and the export
 settings. Not when to call it: proxy/observability/watch.py does that for the data plane. Spans are built
@@ -64,7 +64,7 @@ class RequestTrace:
     """The spans of one request. Times are time.monotonic() seconds; each span is handed to the processor
     once finished. Every method may be called in any order; a missing phase is simply left out."""
 
-    __slots__ = ("tracing", "trace_id", "root_id", "remote_parent", "offset_ns", "start_ns", "attributes",
+    __slots__ = ("tracing", "trace_id", "root_id", "root_context", "remote_parent", "offset_ns", "start_ns", "attributes",
                  "events", "up_id", "up_start_ns", "up_attributes", "attempts")
 
     def __init__(self, tracing: Tracing, trace_id: int, remote_parent: SpanContext | None, started: float,
@@ -72,6 +72,7 @@ class RequestTrace:
         self.tracing = tracing
         self.trace_id = trace_id
         self.root_id = tracing.rng.getrandbits(64) or 1
+        self.root_context = SpanContext(trace_id, self.root_id, False, _SAMPLED)
         self.remote_parent = remote_parent
         # monotonic -> wall clock, once per request: OTLP wants Unix nanoseconds
         self.offset_ns = time.time_ns() - time.monotonic_ns()
@@ -89,14 +90,12 @@ class RequestTrace:
     def _now_ns(self) -> int:
         return time.monotonic_ns() + self.offset_ns
 
-    def _context(self, span_id: int) -> SpanContext:
-        return SpanContext(self.trace_id, span_id, False, _SAMPLED)
-
     def _emit(self, name: str, span_id: int, parent: SpanContext | None, kind: SpanKind, start_ns: int,
               end_ns: int, attributes: dict[str, Any], events: list[Event] | tuple = (), status: Status = _OK) -> None:
         tracing = self.tracing
+        context = self.root_context if span_id == self.root_id else SpanContext(self.trace_id, span_id, False, _SAMPLED)
         tracing.processor.on_end(ReadableSpan(
-            name, self._context(span_id), parent, tracing.resource, attributes, events, (), kind, None, status,
+            name, context, parent, tracing.resource, attributes, events, (), kind, None, status,
             start_ns, end_ns, tracing.scope))
 
     def event(self, name: str, attributes: dict[str, Any] | None = None) -> None:
@@ -108,7 +107,7 @@ class RequestTrace:
         """The decision as a `route` span: the best candidates with their scores, the pick, why, the policy;
         and a `queue` span over the time the request was held in admission."""
         start_ns, end_ns = self._ns(started), self._ns(ended)
-        root = self._context(self.root_id)
+        root = self.root_context
         best = best_candidates(scores, ROUTE_CANDIDATES)
         attributes: dict[str, Any] = {"kvroute.policy": policy, "kvroute.reason": reason,
                                       "kvroute.candidates": [w for w, _ in best],
@@ -142,7 +141,7 @@ class RequestTrace:
         events = [Event("first_byte", None, self._ns(first_byte_at))] if first_byte_at is not None else ()
         if error:
             attributes["error.type"] = error
-        self._emit("upstream", self.up_id, self._context(self.root_id), SpanKind.CLIENT, self.up_start_ns,
+        self._emit("upstream", self.up_id, self.root_context, SpanKind.CLIENT, self.up_start_ns,
                    self._now_ns(), attributes, events, _ERROR if error else _OK)
 
     def end(self, status: int, attributes: dict[str, Any]) -> None:
@@ -201,12 +200,13 @@ def otlp_traces_url(configured: str | None, environ: Mapping[str, str] | None = 
 
 def tracing_from_settings(otlp_endpoint: str | None, environ: Mapping[str, str] | None = None) -> Tracing | None:
     """Tracing that exports over OTLP/HTTP in batches when an endpoint is set; None (tracing off) otherwise.
-    The batch processor reads OTEL_BSP_* (queue size, delay) and the exporter OTEL_EXPORTER_OTLP_* (headers,
+    The batch processor reads OTEL_BSP_* (queue size, delay), the exporter OTEL_EXPORTER_OTLP_* (headers,
     compression, timeout) as the SDK documents."""
     url = otlp_traces_url(otlp_endpoint, environ)
     if url is None:
         return None
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    return Tracing(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
+    from proxy.observability.otlp import OtlpHttpExporter
+
+    return Tracing(BatchSpanProcessor(OtlpHttpExporter(url, environ)))

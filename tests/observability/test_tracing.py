@@ -176,3 +176,25 @@ def test_endpoint_settings_follow_the_otel_conventions():
     enabled = tracing_from_settings("http://127.0.0.1:9", environ={})
     assert enabled is not None
     enabled.shutdown()
+
+
+def test_the_hand_written_otlp_encoding_is_what_the_sdk_encodes():
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    from proxy.observability.otlp import encode_request
+
+    tracing, exporter = _tracing()
+    now = time.monotonic()
+    trace = tracing.begin(CLIENT_TRACEPARENT.encode(), now, {"kvroute.request_id": "r1", "kvroute.retries": -1})
+    trace.event("parsed", {"kvroute.prompt_tokens": 812, "kvroute.stream": True, "x": 0.5})
+    trace.route(now, now + 0.01, "w-ü", "lowest_cost", "kv_aware", {"w-ü": 0.25, "w-1": 1e9}, held=True)
+    trace.upstream_start("w-ü", "http://10.0.0.1:8000")
+    trace.upstream_end(503, now + 0.005, "status_503")
+    trace.end(502, {"error.type": "x"})
+    spans = exporter.get_finished_spans()
+    expected = encode_spans(spans)
+    for resource_spans in expected.resource_spans:
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                span.flags = 0  # the SDK also says whether the parent is remote; receivers do not need it
+    assert ExportTraceServiceRequest.FromString(encode_request(spans)) == expected
