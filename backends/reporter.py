@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from proxy.protocol import REPORT_INTERVAL_S, WORKER_SECRET_HEADER, LoadReport, WorkerRegistration
+from proxy.security.redact import redact_text
 
 log = logging.getLogger("kvroute.reporter")
 
@@ -106,13 +107,13 @@ class ProxyReporter:
                         self._secret = body.get("worker_secret") or None
                         self._seq = 0  # a new registration starts a new sequence
                         self.interval_s = min(self.interval_s, float(body.get("report_interval_s", self.interval_s)))
-                        log.info("registered with %s as %s", self.proxy_url, self.worker_id)
+                        log.info("registered with %s as %s", redact_text(self.proxy_url), self.worker_id)
                         self.registered.set()
                         return
                     text = await resp.text()
                     log.warning("proxy refused registration (%s): %s", resp.status, text[:200])
             except (aiohttp.ClientError, TimeoutError) as exc:
-                log.info("proxy %s not reachable (%s)", self.proxy_url, exc)
+                log.info("proxy %s not reachable (%s)", redact_text(self.proxy_url), exc)
                 if self._next_proxy():
                     continue  # try the next proxy at once; back off once all of them failed in a row
             await asyncio.sleep(backoff)

@@ -35,7 +35,7 @@ from backends.engines.base import EngineAdapter, EngineLaunch
 from backends.engines.guard import ENGINE_PID_LINE, set_parent_death_signal
 from backends.reporter import Load, ProxyReporter, parse_proxy_urls
 from proxy.protocol import WorkerRegistration
-from proxy.security.redact import redact_argv
+from proxy.security.redact import redact_argv, redact_text
 
 log = logging.getLogger("kvroute.worker")
 ENGINE_STOP_GRACE_S = 15.0
@@ -166,7 +166,7 @@ class Supervisor:
             await self._register()
             if self.reporter:
                 await self.reporter.registered.wait()
-                log.info("registered with %s as %s %.1fs after start", self.args.proxy_url,
+                log.info("registered with %s as %s %.1fs after start", redact_text(self.args.proxy_url),
                          self.reporter.worker_id, time.monotonic() - started)
             stop = asyncio.create_task(self.stop_requested.wait())
             await asyncio.wait({exited, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -178,7 +178,7 @@ class Supervisor:
             log.error("%s; engine log: %s", exc, self.log_path)
             if self.reporter and self.reporter.registered.is_set():
                 await self.reporter.set_state("failed")
-                log.error("reported state 'failed' to %s", self.args.proxy_url)
+                log.error("reported state 'failed' to %s", redact_text(self.args.proxy_url))
             return 1
         finally:
             await self._stop_engine()
@@ -214,12 +214,14 @@ class Supervisor:
         log_file = await asyncio.to_thread(open, self.log_path, "ab", 64 * 1024)
         with log_file:
             while line := await _read_log_line(self.proc.stdout):
-                log_file.write(line)
                 text = line.decode(errors="replace").rstrip()
+                # engines print their arguments at start-up (vLLM: `non-default args: {'api_key': [...]}`)
+                shown = redact_text(text)
+                log_file.write(line if shown == text else shown.encode() + b"\n")
                 if self.engine_pgid is None and text.startswith(ENGINE_PID_LINE):
                     self.engine_pgid = int(text[len(ENGINE_PID_LINE):])
                 self.adapter.observe_log_line(text)
-                print(f"[engine] {text}", flush=False)
+                print(f"[engine] {shown}", flush=False)
                 log_file.flush()
         sys.stdout.flush()
 

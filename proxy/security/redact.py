@@ -17,7 +17,10 @@ _SECRET_NAME = re.compile(r"(api[-_]?keys?|secret|passw(or)?d|credential|authori
                           re.IGNORECASE)
 _BEARER = re.compile(r"\b(Bearer|Basic)\s+[A-Za-z0-9._~+/=-]+", re.IGNORECASE)
 _URL_USERINFO = re.compile(r"(\b[a-z][a-z0-9+.-]*://)[^/@\s:]*(:[^/@\s]*)?@", re.IGNORECASE)
-_KEY_VALUE = re.compile(r"\b([A-Za-z][A-Za-z0-9_.-]*)(\s*[=:]\s*)(\"[^\"]*\"|'[^']*'|[^\s,;&]+)")
+_KEY_VALUE = re.compile(r"\b([A-Za-z][A-Za-z0-9_.-]*)(\s*[=:]\s*)(\"[^\"]*\"|'[^']*'|\[[^\]]*\]|[^\s,;&()\[\]{}]+)")
+# The same in JSON and in Python's repr of a dict, as engines print their arguments at start-up:
+# vLLM's `non-default args: {'api_key': ['sk-...'], ...}`
+_QUOTED_KEY_VALUE = re.compile(r"([\"'])([A-Za-z][A-Za-z0-9_.-]*)\1(\s*:\s*)(\"[^\"]*\"|'[^']*'|\[[^\]]*\]|[^\s,;&()\[\]{}]+)")
 
 
 def is_secret_name(name: str) -> bool:
@@ -45,6 +48,9 @@ def redact_text(text: str) -> str:
     """Free text with bearer/basic credentials, URL passwords and `token=...`-style pairs masked."""
     text = _BEARER.sub(lambda m: f"{m.group(1)} {MASK}", text)
     text = _URL_USERINFO.sub(lambda m: f"{m.group(1)}{MASK}@", text)
+    text = _QUOTED_KEY_VALUE.sub(
+        lambda m: f"{m.group(1)}{m.group(2)}{m.group(1)}{m.group(3)}{m.group(1)}{MASK}{m.group(1)}"
+        if is_secret_name(m.group(2)) else m.group(0), text)
     return _KEY_VALUE.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}" if is_secret_name(m.group(1)) else m.group(0),
                           text)
 
