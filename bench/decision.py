@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import random
 import time
 from pathlib import Path
@@ -221,7 +222,9 @@ def run(args: argparse.Namespace) -> int:
     sizes = tuple(int(x) for x in args.sizes.split(",") if x)
     policies = tuple(x for x in args.policies.split(",") if x)
     rows = decision_time(sizes, policies, args.decisions, args.seed)
-    out = [f"# Decision time\n\n{environment_note()}; run took {time.time() - t_start:.0f} s.\n",
+    load = os.getloadavg()[0]
+    out = [f"# Decision time\n\n{environment_note()}; run took {time.time() - t_start:.0f} s; load average "
+           f"{load:.1f} at the end (a busy box inflates p99 most).\n",
            "`Dispatcher.pick` as the data plane awaits it (admission, candidate filtering, policy), in-process, "
            f"{args.decisions} timed decisions per cell after {WARMUP} warm-up ones; reports every "
            f"{REPORT_INTERVAL_S:g} s per worker at {DECISIONS_PER_S:g} decisions/s (simulated clock), "
@@ -233,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
                          "begin+end p50 us", "report p50 us", "held"], table))
     text = "\n".join(out) + "\n"
     results_path(args.name, ".md", args.out_dir).write_text(text)
-    write_json(results_path(args.name, ".json", args.out_dir), {"rows": rows, "args": vars(args)})
+    write_json(results_path(args.name, ".json", args.out_dir), {"rows": rows, "args": vars(args), "loadavg": load})
     print(text)
     return 0
 

@@ -44,10 +44,14 @@ def _requests(rng: random.Random, n: int) -> list[Any]:
 
 
 def decision_time(sizes: tuple[int, ...], decisions: int, seed: int = 0) -> list[dict[str, Any]]:
-    """Microseconds per select()+on_dispatch() for each policy and fleet size (engine readings random)."""
+    """Microseconds per select_from()+on_dispatch() for each policy and fleet size (engine readings random).
+
+    select_from() over a roster of the fleet, as admission calls it (bench/decision.py times the whole pick).
+    """
     from proxy.loadview import EngineReading
     from proxy.registry import Worker
     from proxy.routing.base import PolicyDeps, make_policy
+    from proxy.routing.candidates import Candidates, Roster
 
     rng = random.Random(seed)
     requests = _requests(rng, 512)
@@ -58,18 +62,20 @@ def decision_time(sizes: tuple[int, ...], decisions: int, seed: int = 0) -> list
         for w in workers:
             w.load.record_reading(EngineReading(rng.random() * 0.8, rng.randrange(64), rng.randrange(8)),
                                   time.monotonic(), "report")
+        roster = Roster(workers)
+        candidates = Candidates(roster, frozenset(), workers, len(workers))
         for name in POLICIES:
             policy = make_policy(name, PolicyDeps(rng=random.Random(seed)))
             # warm the prefix index as a running proxy would have it
             for req in requests:
-                d = policy.select(workers, req, time.monotonic())
+                d = policy.select_from(candidates, req, time.monotonic())
                 policy.on_dispatch(d, req, time.monotonic())
             times = []
             for i in range(decisions):
                 req = requests[i % len(requests)]
                 now = time.monotonic()
                 t0 = time.perf_counter_ns()
-                d = policy.select(workers, req, now)
+                d = policy.select_from(candidates, req, now)
                 policy.on_dispatch(d, req, now)
                 times.append((time.perf_counter_ns() - t0) / 1000.0)
             times.sort()
@@ -192,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     prefix = prefix_index_memory(args.prefix_requests)
     streams = memory_per_stream(tuple(int(x) for x in args.streams.split(",") if x)) if args.streams else []
     out = [f"# Scale\n\n{environment_note()}; run took {time.time() - t_start:.0f} s.\n",
-           "## Routing decision time (in-process, select + on_dispatch, prefix index warm)\n",
+           "## Routing decision time (in-process, select_from + on_dispatch, prefix index warm)\n",
            f"Parsing a chat body into routing features (once per request): {parse_us:.0f} us.\n"]
     table = []
     for name in POLICIES:
