@@ -300,7 +300,11 @@ class Injector:
     def _plan(self) -> list[tuple[float, str]]:
         s = self.fleet.settings
         kinds = ["kill"] * s.kills + ["stall"] * s.stalls + (["redis"] if s.state == "redis" else [])
-        return sorted((self.rng.uniform(0.05, 0.7), k) for k in kinds)
+        self.rng.shuffle(kinds)
+        # spread evenly over the first 60% of the round (jittered), so that a fault waiting for a victim
+        # (every other worker already down or restarting) still lands while the load runs
+        step = 0.55 / max(1, len(kinds))
+        return [(0.05 + step * (i + self.rng.random() * 0.5), k) for i, k in enumerate(kinds)]
 
     def _healthy(self) -> list[Slot]:
         return [sl for sl in self.fleet.slots if not sl.faulted and sl is not self.fleet.fail_slot]
@@ -324,6 +328,7 @@ class Injector:
                     victim = self.rng.choice(allowed)
                     break
                 if self.load.done >= n:
+                    self._note("skipped", kind)
                     return
                 await asyncio.sleep(0.05)
             if kind == "kill":
@@ -331,7 +336,7 @@ class Injector:
                 await asyncio.to_thread(self.fleet.kill, victim)
                 slow = self.fleet.settings.slow_start_s if victim.restarts % 2 == 1 else 0.0
                 self._note("sigkill", victim.worker_id, in_flight=in_flight)
-                self._pending.append(asyncio.create_task(self._restart_later(victim, self.rng.uniform(0.3, 2.0),
+                self._pending.append(asyncio.create_task(self._restart_later(victim, self.rng.uniform(0.3, 1.5),
                                                                              slow)))
             else:
                 seconds = self.rng.uniform(*self.fleet.settings.stall_s)
@@ -377,7 +382,11 @@ def _counters(m: promtext.Metrics) -> dict[str, float]:
     out = {"retries": totals.get("kvroute:retries_total", 0.0),
            "stream_failures": totals.get("kvroute:stream_failures_total", 0.0),
            "rejections": totals.get("kvroute:rejections_total", 0.0)}
-    out["migrations"] = sum(v for k, v in totals.items() if "migration" in k and k.endswith("_total"))
+    # kvroute:migrations by outcome: streams continued elsewhere, non-streamed requests restarted elsewhere,
+    # and streams that could not move (ended with the error event)
+    for outcome in ("continued", "restarted", "failed"):
+        out[f"migrations_{outcome}"] = m.total("kvroute:migrations_total", {"outcome": outcome}) or 0.0
+    out["migrations"] = out["migrations_continued"] + out["migrations_restarted"]
     return out
 
 
@@ -423,6 +432,7 @@ async def run_round(fleet: ChaosFleet, index: int, rng: random.Random) -> dict[s
         "streaming": sum(o.stream for o in outcomes), "failures": failures,
         "failure_examples": sorted({f"{o.kind}: {o.detail}" for o in outcomes if o.kind != "ok"})[:8],
         "retries": after["retries"] - before["retries"], "migrations": after["migrations"] - before["migrations"],
+        **{k: after[k] - before[k] for k in ("migrations_continued", "migrations_restarted", "migrations_failed")},
         "stream_failures": after["stream_failures"] - before["stream_failures"],
         "rejections": after["rejections"] - before["rejections"],
         "in_flight_after": in_flight, "in_flight_settle_s": round(time.perf_counter() - settle_t0, 2),
@@ -464,7 +474,9 @@ def render(data: dict[str, Any], quick: bool) -> str:
     s = data["settings"]
     rows = [[r["round"], r["requests"], r["streaming"], r["succeeded"], *(r["failures"][k] for k in FAILURE_KINDS),
              f"{r['faults']['sigkill']}/{r['faults']['sigstop']}/{r['faults']['redis_restart']}",
-             fmt(r["retries"], digits=0), fmt(r["migrations"], digits=0), fmt(r["stream_failures"], digits=0),
+             fmt(r["retries"], digits=0), fmt(r.get("migrations_continued"), digits=0),
+             fmt(r.get("migrations_restarted"), digits=0), fmt(r.get("migrations_failed"), digits=0),
+             fmt(r["stream_failures"], digits=0),
              fmt(r["in_flight_after"], digits=0), r["proxy_fds"], r["proxy_rss_mb"], fmt(r["lat_max_s"], digits=1),
              r["wall_s"]] for r in data["rounds"]]
     head = "# Chaos run" + (" (QUICK RUN: NOT THE FULL SIZE)" if quick else "")
@@ -474,7 +486,7 @@ def render(data: dict[str, Any], quick: bool) -> str:
             f"{s['time_scale']}; {s['concurrency']} closed-loop clients, {s['requests']} requests per round "
             f"(60% streaming, chat and completions, {s['max_tokens'][0]}-{s['max_tokens'][1]} tokens with "
             f"ignore_eos), a request open after {s['deadline_s']} s counts as a hang. Faults per round: "
-            f"{s['kills']} SIGKILLs (restart with the same id after 0.3-2 s, every other one with a "
+            f"{s['kills']} SIGKILLs (restart with the same id after 0.3-1.5 s, every other one with a "
             f"{s['slow_start_s']} s slow start), {s['stalls']} SIGSTOP/SIGCONT stalls of {s['stall_s'][0]}-"
             f"{s['stall_s'][1]} s, the last worker fails {s['fail_rate']:.0%} of requests with HTTP 500"
             + (", a redis-server restart" if s["state"] == "redis" else "")
@@ -482,12 +494,14 @@ def render(data: dict[str, Any], quick: bool) -> str:
             "Failures are what the client saw: `http` a non-200 answer, `error_event` an error event inside a "
             "200 stream, `truncated` a stream without [DONE] or an answer whose completion_tokens is not "
             "max_tokens, `timeout` still open at the deadline, `connection` the connection to the proxy "
-            "failed. Retries, migrations and stream failures are the proxy's /metrics deltas over the round; "
+            "failed. Retries (before the first byte), migrations (kvroute:migrations by outcome: a stream continued "
+            "on another worker, a non-streamed request restarted on another, a stream that could not move) and "
+            "stream failures are the proxy's /metrics deltas over the round; "
             "in flight is the sum of kvroute:worker_in_flight after the load ended; fds (/proc/PID/fd) and "
             "RSS of the proxy process after the round, with every worker ready again.", "",
             f"Before round 1: {data['baseline']['proxy_fds']} fds, {data['baseline']['proxy_rss_mb']} MB.", "",
             md_table(["round", "requests", "streaming", "succeeded", *FAILURE_KINDS, "kills/stalls/redis",
-                      "retries", "migrations", "stream failures", "in flight after", "proxy fds", "proxy RSS MB",
+                      "retries", "streams migrated", "whole restarted", "migrations failed", "stream failures", "in flight after", "proxy fds", "proxy RSS MB",
                       "max latency s", "wall s"], rows), ""]
     for r in data["rounds"]:
         if r["failure_examples"]:
@@ -504,6 +518,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=d.concurrency)
     p.add_argument("--kills", type=int, default=d.kills, help="SIGKILLs (with restart) per round")
     p.add_argument("--stalls", type=int, default=d.stalls, help="SIGSTOP/SIGCONT stalls per round")
+    p.add_argument("--stall-s", default=f"{d.stall_s[0]:g}:{d.stall_s[1]:g}", help="MIN:MAX seconds of a stall")
+    p.add_argument("--slow-start-s", type=float, default=d.slow_start_s,
+                   help="every other restart waits this long before listening")
     p.add_argument("--fail-rate", type=float, default=d.fail_rate, help="share of 5xx of the last worker; 0: none")
     p.add_argument("--state", choices=("memory", "redis"), default=d.state,
                    help="redis: the proxy keeps its state in a redis-server of the run's own, restarted each round")
@@ -518,6 +535,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def settings_from(args: argparse.Namespace) -> ChaosSettings:
     return ChaosSettings(workers=args.workers, requests=args.requests, rounds=args.rounds,
                          concurrency=args.concurrency, kills=args.kills, stalls=args.stalls, fail_rate=args.fail_rate,
+                         stall_s=tuple(float(x) for x in args.stall_s.split(":")), slow_start_s=args.slow_start_s,
                          state=args.state, time_scale=args.time_scale, deadline_s=args.deadline_s, seed=args.seed)
 
 
