@@ -39,6 +39,9 @@ class Timeouts(_Strict):
     idle_s: float = Field(120.0, gt=0, description="longest silence between two streamed chunks")
     total_s: float | None = Field(3600.0, gt=0, description="non-streamed request sent -> whole answer received; "
                                                              "null: no limit")
+    stall_min_s: float = Field(2.0, gt=0, description=(
+        "a worker holding requests that sends nothing for max(this, 20 x its recent inter-chunk gap), at most "
+        "idle_s, is stalled: no new work, its requests move to other workers (streams migrate)"))
 
 
 class AdmissionQueue(_Strict):
@@ -116,6 +119,9 @@ class ProxyConfig(_Strict):
         False, description="serve the control plane to everyone off loopback without an admin token (warned)")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     retries: int = Field(2, ge=0, le=10)
+    migrations: int = Field(2, ge=0, le=10, description=(
+        "times one stream may move to another worker after its worker failed mid-stream (0: end it with an "
+        "error event)"))
     kv_high_water: float = Field(1.0, gt=0, le=1.0, description=(
         "1.0 (default): off. Below 1.0, hold requests while every worker's projected KV usage is at or above it: "
         "fewer preemptions, but the engines idle while the proxy waits (see proxy/routing/admission.py)"))

@@ -12,7 +12,7 @@ from proxy.config import ConfigError, FleetConfig
 from proxy.routing.base import policy_names
 
 # Read per request (dispatch, admission, upstream) or per drain: a new value takes effect at once.
-LIVE_PROXY_KEYS = ("policy", "retries", "kv_high_water", "timeouts", "queue", "drain_grace_s", "log_level")
+LIVE_PROXY_KEYS = ("policy", "retries", "migrations", "kv_high_water", "timeouts", "queue", "drain_grace_s", "log_level")
 # The command line may set these (`--host`, `--port 0`): a file that does not say them changes nothing.
 _COMMAND_LINE_KEYS = ("host", "port")
 

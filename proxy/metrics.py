@@ -41,6 +41,10 @@ class ProxyMetrics:
                                   ["model", "reason"], registry=r)
         self.stream_failures = Counter("kvroute:stream_failures", "Streams a worker broke after the first byte",
                                        ["model", "worker"], registry=r)
+        self.migrations = Counter("kvroute:migrations", "Streams handed to another worker after their worker failed "
+                                  "mid-stream (continued), ended with an error event (failed), and non-streamed "
+                                  "requests started again elsewhere after their worker broke (restarted)",
+                                  ["model", "outcome"], registry=r)
         r.register(_WorkerGauges(registry))
         # Worker ids churn (a new generation per restart): a removed worker's label sets go with it, or
         # /metrics would grow for as long as the proxy runs.

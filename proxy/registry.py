@@ -91,6 +91,7 @@ class Worker:
         self.reported_state = "ready"
         self.drain_requested = False
         self.probe_failed = False
+        self.stalled_at: float | None = None  # sent nothing while holding requests (proxy/dataplane/stall.py)
         self.last_error: str | None = None
         self.secret_hash: str | None = None  # sha256 of the secret its registrant got (proxy/security)
         self.api_key: str | None = None  # sent upstream as Authorization: Bearer, when the engine wants one
@@ -109,7 +110,8 @@ class Worker:
     def state(self, now: float) -> WorkerState:
         if self.drain_requested or self.reported_state == "draining":
             return WorkerState.DRAINING
-        if self.probe_failed or self.reported_state == "failed" or self.breaker.is_open(now):
+        if (self.probe_failed or self.reported_state == "failed" or self.stalled_at is not None
+                or self.breaker.is_open(now)):
             return WorkerState.UNHEALTHY
         if self.reports:
             last = self.load.reading_at if self.load.reading_at is not None else self.registered_mono
@@ -128,7 +130,8 @@ class Worker:
             "projected_kv_usage": round(load.projected_kv_usage(now), 4), "queue_depth": load.queue_depth(now),
             "reading_source": load.reading_source, "reading_age_s": age,
             "last_report": self.last_report.model_dump(mode="json") if self.last_report else None,
-            "breaker_open": self.breaker.is_open(now), "last_error": self.last_error,
+            "breaker_open": self.breaker.is_open(now), "stalled": self.stalled_at is not None,
+            "last_error": self.last_error,
             "registered_at": self.registered_at, "labels": self.labels,
         }
 
@@ -253,6 +256,7 @@ class Registry:
             worker.breaker.half_open()
         worker.last_report = report
         worker.reported_state = report.state
+        worker.stalled_at = None  # a fresh report: it is running again
         worker.probe_failed = False
         worker.load.record_reading(EngineReading(report.kv_cache_usage, report.num_running, report.num_waiting,
                                                  report.kv_capacity_tokens or None, report.prefix_cache_hit_rate),
@@ -299,6 +303,15 @@ class Registry:
     def _state_may_change(self, worker: Worker, before: WorkerState) -> None:
         if worker.state(self.clock()) is not before:
             self._version += 1
+
+    def mark_stalled(self, worker: Worker, detail: str) -> None:
+        """`worker` sent nothing for its stall threshold while holding requests: no new work until it sends
+        a fresh load report (proxy/dataplane/stall.py moves what it held)."""
+        if worker.stalled_at is None:
+            worker.stalled_at = self.clock()
+            worker.last_error = detail
+            self._version += 1
+            self.notify_changed()
 
     def drain(self, worker_id: str) -> Worker | None:
         worker = self._workers.get(worker_id)

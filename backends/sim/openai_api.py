@@ -75,7 +75,14 @@ def parse_request(body: Any, kind: str, served_model: str, max_model_len: int, d
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
                 raise ApiError(400, "messages must be a non-empty list of objects", param="messages")
-            prompt = chat_prompt(messages, bool(body.get("add_generation_prompt", True)))
+            add_generation_prompt = bool(body.get("add_generation_prompt", True))
+            continue_final = bool(body.get("continue_final_message", False))
+            if continue_final and add_generation_prompt:  # vLLM: its validator, or the chat template's
+                raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+            if continue_final and messages[-1].get("role") != "assistant":
+                raise ApiError(400, "Cannot set `continue_final_message` to True when the last message is not "
+                                    "from the assistant.", param="messages")
+            prompt = chat_prompt(messages, add_generation_prompt, continue_final)
         else:
             raw = body.get("prompt")
             if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):

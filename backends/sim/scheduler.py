@@ -228,7 +228,8 @@ class Scheduler:
             self.kv.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk: no token yet
-            text, token_id = request.filler.next_piece(first=request.num_output_tokens == 0)
+            first = request.num_output_tokens == 0 and not request.prompt.continues
+            text, token_id = request.filler.next_piece(first=first)
             request.token_ids.append(token_id)
             request.num_output_tokens += 1
             self.num_generated_tokens += 1

@@ -59,6 +59,7 @@ class Prompt:
 
     token_ids: list[int]
     media_spans: list[tuple[int, int]] = field(default_factory=list)  # (start, length) of media tokens
+    continues: bool = False  # ends inside an open assistant message: the output goes on from its text
 
     @property
     def num_media_tokens(self) -> int:
@@ -167,15 +168,21 @@ def _append_content(content: Any, ids: list[int], spans: list[tuple[int, int]]) 
             raise MediaError(f"unsupported content part type {kind!r}")
 
 
-def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> Prompt:
-    """Token ids of a Qwen-style chat template: <|im_start|>role\\ncontent<|im_end|>\\n per message."""
+def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> Prompt:
+    """Token ids of a Qwen-style chat template: <|im_start|>role\\ncontent<|im_end|>\\n per message.
+
+    With `continue_final_message` the last message stays open (no <|im_end|>): generation goes on from its
+    text, as vLLM's continue_final_message does (the caller checks it is an assistant message)."""
     ids: list[int] = []
     spans: list[tuple[int, int]] = []
     newline = text_token_ids("\n")
-    for message in messages:
+    for i, message in enumerate(messages):
         ids.append(IM_START)
         ids.extend(text_token_ids(f"{message.get('role', 'user')}\n"))
         _append_content(message.get("content"), ids, spans)
+        if continue_final_message and i == len(messages) - 1:
+            return Prompt(ids, spans, continues=bool(message.get("content")))
         ids.append(IM_END)
         ids.extend(newline)
     if add_generation_prompt:

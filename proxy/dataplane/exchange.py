@@ -3,6 +3,8 @@
 Owns the response's life: head, retryable failures before the first byte, unbuffered relay with
 back-pressure (pause_reading while the client's buffer is full), the SSE error event after the
 first byte, and connect / first-byte / idle / stalled-reader deadlines on one lazily re-armed timer.
+A migratable stream's events pass through a StreamTracker (migration.py): a break then hands the open
+client stream back to the journey, and a continuation's exchange relays into it without a head.
 """
 
 from __future__ import annotations
@@ -11,15 +13,19 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import orjson
 from httptools import HttpParserError, HttpResponseParser
 
 from proxy.config import Timeouts
 from proxy.dataplane import http
+from proxy.dataplane.migration import StreamTracker
 from proxy.dataplane.pool import Endpoint, UpstreamConnection, UpstreamPool
 from proxy.errors import error_body
+
+if TYPE_CHECKING:
+    from proxy.dataplane.stall import Pulse
 
 log = logging.getLogger("kvroute.dataplane")
 
@@ -66,6 +72,8 @@ class Relayed:
     first_byte_at: float | None   # time.monotonic() of the first byte sent to the client
     worker_failed: bool = False   # the worker broke the response after the first byte
     client_gone: bool = False
+    resumable: bool = False       # worker_failed, and the client's stream is still open for a continuation
+    break_reason: str = ""        # worker_failed: connection_lost | idle_timeout | stalled | broken_stream
 
 
 _STALE = Retryable("stale", "a pooled connection was closed by the worker")
@@ -77,11 +85,18 @@ class Exchange:
     __slots__ = ("client", "mode", "extra", "timeouts", "loop", "future", "conn", "parser", "state", "status",
                  "headers", "parts", "size", "out", "complete", "interim", "sse", "framing", "first_byte_at",
                  "last_activity", "first_byte_deadline", "timer", "got_head", "paused", "ends_clean",
-                 "head_request", "close_delimited", "total_deadline", "keep_alive", "index", "held_head")
+                 "head_request", "close_delimited", "total_deadline", "keep_alive", "index", "held_head",
+                 "tracker", "resumed", "pulse", "stall_detail", "streaming")
 
     def __init__(self, client: Client, mode: int, extra_headers: bytes, timeouts: Timeouts,
-                 head_request: bool = False) -> None:
+                 head_request: bool = False, tracker: StreamTracker | None = None, resumed: bool = False,
+                 pulse: Pulse | None = None) -> None:
         self.client = client
+        self.tracker = tracker    # a migratable stream: its events are read (and rewritten when `resumed`)
+        self.resumed = resumed    # continues a stream whose head (and first events) the client already has
+        self.pulse = pulse        # the worker's liveness (stall.py), when it is watched
+        self.stall_detail: str | None = None
+        self.streaming = False    # counted in the pulse's streams under way
         self.mode = mode
         self.extra = extra_headers
         self.timeouts = timeouts
@@ -135,12 +150,20 @@ class Exchange:
             self.parser = HttpResponseParser(self)
             conn.transport.write(request)
             self._arm(self.first_byte_deadline)
+            pulse = self.pulse
+            if pulse is not None:
+                pulse.join(self)
             try:
                 outcome = await self.future
             finally:
                 if self.state != _DONE:  # cancelled: the worker must see the request end
                     self._stop()
                 self.client.exchange = None
+                if pulse is not None:
+                    if self.streaming:
+                        self.streaming = False
+                        pulse.streams -= 1
+                    pulse.leave(self)
             if outcome is _STALE:
                 self._reset()
                 continue
@@ -169,9 +192,10 @@ class Exchange:
             if self.head_request:  # no body follows, whatever the head says
                 self.complete = True
             return
-        if status >= 500 or status == 429:
-            self.state = _ERROR_BODY
-        elif self.mode == STREAM and index.get(b"content-type", b"").startswith(b"text/event-stream"):
+        is_sse = self.mode == STREAM and index.get(b"content-type", b"").startswith(b"text/event-stream")
+        if status >= 500 or status == 429 or (self.resumed and not (is_sse and status == 200)):
+            self.state = _ERROR_BODY  # a continuation can only join the client's stream with a stream
+        elif is_sse:
             self.sse = True
             self.state = _FIRST
         else:
@@ -203,9 +227,16 @@ class Exchange:
 
     # --- the upstream connection's events -------------------------------------------------------
     def upstream_data(self, data: bytes) -> None:
-        if self.state == _DONE:
+        state = self.state
+        if state == _DONE:
             return
-        self.last_activity = self.loop.time()
+        now = self.loop.time()
+        pulse = self.pulse
+        if pulse is not None:
+            pulse.last_byte = now
+            if state == _RELAY and self.sse:
+                pulse.observe_gap(now - self.last_activity)
+        self.last_activity = now
         try:
             self.parser.feed_data(data)
         except HttpParserError as exc:
@@ -215,6 +246,9 @@ class Exchange:
             self._finish()
         elif self.out or self.held_head:  # a head alone goes out too: an event stream may be quiet a while
             self._flush()
+            tracker = self.tracker
+            if tracker is not None and tracker.broken is not None and self.state == _RELAY:
+                self._fail(False, tracker.broken)
 
     def upstream_eof(self) -> None:
         self.upstream_lost(None)
@@ -240,6 +274,8 @@ class Exchange:
         if self.paused and conn is not None and not conn.closed:
             self.paused = False
             self.last_activity = self.loop.time()  # the worker was waiting on us, not idle
+            if self.pulse is not None:
+                self.pulse.last_byte = self.last_activity
             conn.transport.resume_reading()
 
     def client_lost(self) -> None:
@@ -247,6 +283,13 @@ class Exchange:
             return
         self._stop()
         self.future.set_result(Relayed(self.status, self.first_byte_at, client_gone=True))
+
+    def worker_stalled(self, detail: str) -> None:
+        """stall.py: the worker sent nothing for its stall threshold; let go of it (it sees the cancel)."""
+        if self.state == _DONE:
+            return
+        self.stall_detail = detail
+        self._fail(True, detail)
 
     # --- deadlines: one timer, re-armed only when it fires early ----------------------------------
     def _arm(self, when: float) -> None:
@@ -319,6 +362,14 @@ class Exchange:
         client = self.client
         self.state = _RELAY
         self.first_byte_at = time.monotonic()
+        pulse = self.pulse
+        if pulse is not None and self.sse and not self.streaming:
+            self.streaming = True
+            pulse.streams += 1
+        if self.resumed:  # the client has its head: the continuation's events join its body
+            self.framing = self.tracker.framing
+            self._rearm_idle()
+            return
         length_value = self.index.get(b"content-length")
         if self.head_request or self.status in (204, 304):
             framing = _NO_BODY
@@ -330,6 +381,8 @@ class Exchange:
             framing = _CLOSE
             client.keep_alive = False
         self.framing = framing
+        if self.tracker is not None:
+            self.tracker.framing = framing
         # written with the first piece of body (one send instead of two; see _flush)
         self.held_head = self._head(framing, int(length_value) if framing == _LENGTH else 0)
         self._rearm_idle()
@@ -344,9 +397,13 @@ class Exchange:
         if out:
             data = out[0] if len(out) == 1 else b"".join(out)
             self.out = []
-            if self.sse:
+            tracker = self.tracker
+            if tracker is not None:
+                data = tracker.feed(data)  # whole events only: a break leaves the client between two
+            elif self.sse:
                 self.ends_clean = data.endswith(b"\n\n")
-            parts.append(http.chunk(data) if self.framing == _CHUNKED else data)
+            if data:
+                parts.append(http.chunk(data) if self.framing == _CHUNKED else data)
         if last and self.framing == _CHUNKED:
             parts.append(http.LAST_CHUNK)
         if parts and not self.client.closed:
@@ -376,6 +433,13 @@ class Exchange:
                 (self.index.get(b"content-type") or b"").decode("latin-1") or None,
                 retry_after.decode("latin-1") if retry_after is not None else None)
         elif state == _RELAY:
+            tracker = self.tracker
+            if tracker is not None:
+                self._flush()
+                if tracker.broken is not None or not tracker.done:  # ended early, or with an error event
+                    self.future.set_result(self._stream_broke(
+                        "broken_stream", tracker.broken or "the worker ended the stream before [DONE]"))
+                    return
             self._flush(last=True)
             outcome = Relayed(self.status, self.first_byte_at, client_gone=client.closed)
         else:  # _BUFFER or _FIRST: the whole answer at once
@@ -394,9 +458,11 @@ class Exchange:
             self._flush()
         self._stop()
         status = self.status
-        if state == _HEAD:
+        if self.stall_detail is not None and state != _RELAY:
+            outcome: Retryable | Relayed = Retryable("stalled", detail)  # nothing reached the client yet
+        elif state == _HEAD:
             if not timed_out and reused and not self.got_head and not self.parser_seen_bytes():
-                outcome: Retryable | Relayed = _STALE
+                outcome = _STALE
             elif timed_out:
                 outcome = Retryable("first_byte_timeout", detail)
             else:
@@ -408,34 +474,27 @@ class Exchange:
             outcome = Retryable("first_byte_timeout" if timed_out else "broken_before_first_chunk",
                                 f"{detail} before the first chunk")
         else:
-            reason = "idle_timeout" if timed_out else "connection_lost"
-            log.warning("worker stream broke after the first byte (%s); ending the client's stream", reason)
-            self._end_client_after_failure(reason)
-            outcome = Relayed(status, self.first_byte_at, worker_failed=True, client_gone=self.client.closed)
+            reason = "stalled" if self.stall_detail is not None else "idle_timeout" if timed_out else "connection_lost"
+            outcome = self._stream_broke(reason, detail)
         self.future.set_result(outcome)
+
+    def _stream_broke(self, reason: str, detail: str) -> Relayed:
+        """The worker failed after the first byte: a migratable stream is handed back open, others end."""
+        client = self.client
+        if self.tracker is not None and not client.closed and self.framing in (_CHUNKED, _CLOSE):
+            log.info("worker stream broke after the first byte (%s: %s)", reason, detail)
+            return Relayed(self.status, self.first_byte_at, worker_failed=True, resumable=True,
+                           break_reason=reason)
+        log.warning("worker stream broke after the first byte (%s); ending the client's stream", reason)
+        self._end_client_after_failure(reason)
+        return Relayed(self.status, self.first_byte_at, worker_failed=True, client_gone=client.closed,
+                       break_reason=reason)
 
     def parser_seen_bytes(self) -> bool:
         return self.last_activity != 0.0
 
     def _end_client_after_failure(self, reason: str) -> None:
-        """An SSE stream gets an error event and [DONE]; any other body can only be cut off."""
-        client = self.client
-        if client.closed:
-            return
-        if self.sse and self.framing in (_CHUNKED, _CLOSE):
-            event = orjson.dumps(error_body(f"The worker serving this request failed mid-stream ({reason}).",
-                                            "server_error", code="worker_failed"))
-            data = (b"" if self.ends_clean else b"\n\n") + b"data: " + event + b"\n\ndata: [DONE]\n\n"
-            if self.framing == _CHUNKED:
-                client.transport.write(http.chunk(data) + http.LAST_CHUNK)
-                return
-            client.transport.write(data)
-        client.keep_alive = False
-        client.closed = True
-        if self.framing == _CLOSE and self.sse:
-            client.transport.close()
-        else:
-            client.transport.abort()
+        end_stream(self.client, self.framing, reason, sse=self.sse, clean=self.ends_clean)
 
     def _stop(self) -> None:
         """No more of this exchange: the timer goes, the upstream connection closes (the worker sees it)."""
@@ -447,3 +506,28 @@ class Exchange:
         self.conn = None
         if conn is not None:
             conn.close()
+
+
+def end_stream(client: Client, framing: int, reason: str | None, sse: bool = True, clean: bool = True,
+               tail: bytes = b"") -> None:
+    """End the client's body after its worker failed: an SSE stream gets an error event (or, with `reason`
+    None, `tail` alone: its answer was complete) and [DONE]; any other body can only be cut off."""
+    if client.closed:
+        return
+    if sse and framing in (_CHUNKED, _CLOSE):
+        if reason is None:
+            data = tail
+        else:
+            event = orjson.dumps(error_body(f"The worker serving this request failed mid-stream ({reason}).",
+                                            "server_error", code="worker_failed"))
+            data = (b"" if clean else b"\n\n") + b"data: " + event + b"\n\ndata: [DONE]\n\n"
+        if framing == _CHUNKED:
+            client.transport.write(http.chunk(data) + http.LAST_CHUNK)
+            return
+        client.transport.write(data)
+    client.keep_alive = False
+    client.closed = True
+    if framing == _CLOSE and sse:
+        client.transport.close()
+    else:
+        client.transport.abort()

@@ -1,8 +1,10 @@
 """One completion request's journey: identity, parse, model, decision, forward, retry, record.
 
 Owns the retry loop (connect error / 5xx / 429 / broken body before the first byte -> another
-worker, at most `retries` times), per-request metrics and the answer when every worker failed.
-The decision is dispatch.py's (pick, begin, end); bytes and deadlines are exchange.py's.
+worker, at most `retries` times), the migration loop (a stream whose worker failed after the first
+byte continues on another, at most `migrations` times), per-request metrics and the answer when every
+worker failed. The decision is dispatch.py's (pick, begin, end); bytes and deadlines are exchange.py's,
+what a continuation sends migration.py's, stalled workers stall.py's.
 """
 
 from __future__ import annotations
@@ -12,17 +14,19 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from proxy.dataplane import http
-from proxy.dataplane.exchange import STREAM, WHOLE, Exchange, Relayed, Retryable
+from proxy.dataplane import http, migration
+from proxy.dataplane.exchange import STREAM, WHOLE, Exchange, Relayed, Retryable, end_stream
 from proxy.dataplane.identity import VIA_HEADER, refuse_loop, request_id, via_chain
 from proxy.dataplane.pool import UpstreamPool
+from proxy.dataplane.stall import StallWatch
 from proxy.dispatch import Dispatcher
 from proxy.errors import ProxyError
 from proxy.metrics import ProxyMetrics
 from proxy.observability.watch import Observer, RequestWatch
 from proxy.registry import Registry, Worker
-from proxy.request import RoutedRequest, parse_request
+from proxy.request import CHAT, RoutedRequest, parse_request
 from proxy.retry_policy import Action, Attempt, Failure, Verdict, classify
+from proxy.routing.base import Policy
 from proxy.security.limits import check_request
 
 if TYPE_CHECKING:
@@ -44,6 +48,7 @@ class Journey:
         self.metrics = metrics
         self.pool = pool
         self.instance_id = instance_id
+        self.stalls = StallWatch(registry, lambda: dispatcher.proxy_config.timeouts)
         # traces, access log, explained decisions (proxy/observability/watch.py)
         self.observer = observer or Observer.from_config(dispatcher.proxy_config)
 
@@ -112,6 +117,7 @@ class Journey:
             via_chain(req.header(VIA_HEADER), self.instance_id),
             b"\r\nContent-Length: %d\r\n" % len(body)))
         mode = STREAM if routed.stream else WHOLE
+        tracker = self._tracker(routed)
         tried: set[str] = set()
         statuses: list[int] = []
         last_failure: Retryable | None = None
@@ -132,7 +138,8 @@ class Journey:
                              b"Authorization: Bearer %s\r\n" % api_key.encode() if api_key else b"", b"\r\n"))
             extra = b"x-kvroute-worker: %s\r\nx-request-id: %s\r\n%s" % (worker.worker_id.encode(), rid.encode(),
                                                                            explained)
-            exchange = Exchange(client, mode, extra, dispatcher.proxy_config.timeouts)
+            pulse = self.stalls.pulse(worker)
+            exchange = Exchange(client, mode, extra, dispatcher.proxy_config.timeouts, tracker=tracker, pulse=pulse)
             ticket = dispatcher.begin(decision, policy, routed)
             outcome: Retryable | Relayed | None = None
             try:
@@ -144,6 +151,7 @@ class Journey:
                 # Every path (success, worker failure, client disconnect/cancel) lands here exactly once.
                 dispatcher.end(ticket, outcome.first_byte_at if isinstance(outcome, Relayed) else None)
                 watch.attempt_ended(outcome)
+                self.stalls.forget_idle(pulse)
             if isinstance(outcome, Retryable):
                 last_failure, last_worker = outcome, worker
                 verdict = classify(_attempt(outcome), attempt + 1, retries + 1, statuses)
@@ -155,14 +163,119 @@ class Journey:
                          outcome.detail, verdict.action.value)
                 if verdict.action is Action.RETRY:
                     metrics.retries.labels(served, verdict.reason).inc()
+                    if mode == WHOLE and outcome.reason in _RESTARTED:  # it was generating: started again
+                        metrics.migrations.labels(served, "restarted").inc()
                     if verdict.delay_s:
                         await asyncio.sleep(verdict.delay_s)
                     continue
                 self._answer_failure(client, served, verdict, outcome, worker, rid, watch)
                 return
+            if outcome.resumable and tracker is not None:
+                first_byte_at = outcome.first_byte_at
+                try:
+                    worker, outcome = await self._migrate(client, req, routed, served, rid, watch, policy, tracker,
+                                                          worker, outcome, tried, common)
+                finally:
+                    watch.migrations = tracker.migrations  # the access log's count
+                outcome.first_byte_at = first_byte_at  # the client's first byte, for its TTFT
             self._record(served, worker, outcome, req.started)
             return
         self._exhausted(client, served, last_failure, last_worker, rid)
+
+    def _tracker(self, routed: RoutedRequest) -> migration.StreamTracker | None:
+        """A stream that may migrate gets its events read; any other keeps the plain byte relay."""
+        if not routed.stream or self.dispatcher.proxy_config.migrations < 1:
+            return None
+        if migration.refusal(routed.payload, routed.kind) is not None:
+            return None
+        options = routed.payload.get("stream_options")
+        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        return migration.StreamTracker(routed.kind == CHAT, include_usage)
+
+    async def _migrate(self, client: ClientConnection, req: IncomingRequest, routed: RoutedRequest, served: str,
+                       rid: str, watch: RequestWatch, policy: Policy, tracker: migration.StreamTracker,
+                       worker: Worker, failure: Relayed, tried: set[str], common: bytes) -> tuple[Worker, Relayed]:
+        """`worker` broke `tracker`'s stream after the first byte: continue the generation on other workers
+        while the limit allows; the worker that ended it and how (worker_failed: with the error event)."""
+        dispatcher = self.dispatcher
+        metrics = self.metrics
+        reason = failure.break_reason
+        blamed: set[str] = set()
+        while True:
+            if tracker.finished or not migration.token_budget_left(routed.payload, tracker.tokens):
+                # the answer was whole when the worker failed: end the stream as the worker would have
+                self._worker_broke(served, worker, reason)
+                end_stream(client, tracker.framing, None, tail=tracker.closing())
+                return worker, Relayed(200, failure.first_byte_at, client_gone=client.closed)
+            refused = tracker.blocker
+            if refused is None and tracker.migrations >= dispatcher.proxy_config.migrations:
+                refused = "migration limit reached"
+            decision = None
+            while refused is None and decision is None:
+                try:
+                    decision = await dispatcher.pick(policy, routed, served, tried, first_attempt=False)
+                except ProxyError as exc:
+                    refused = f"no worker took it ({exc.code})"
+                    break
+                if decision is None:
+                    refused = "no other worker"
+                elif not migration.engine_continues(decision.worker, routed.kind):
+                    tried.add(decision.worker.worker_id)  # its engine cannot continue a message
+                    decision = None
+            if refused is not None or decision is None:
+                log.warning("request %s: stream from %s broke (%s) and cannot move: %s", rid, worker.worker_id,
+                            reason, refused)
+                metrics.migrations.labels(served, "failed").inc()
+                end_stream(client, tracker.framing, reason)
+                return worker, Relayed(failure.status, failure.first_byte_at, worker_failed=True,
+                                       client_gone=client.closed, break_reason=reason)
+            if worker.worker_id not in blamed:
+                blamed.add(worker.worker_id)
+                self._worker_broke(served, worker, reason)
+            nxt = decision.worker
+            tried.add(nxt.worker_id)
+            metrics.decisions.labels(policy.name, nxt.worker_id, "migration").inc()
+            log.info("request %s: stream from %s broke (%s) after %d tokens; continuing on %s", rid,
+                     worker.worker_id, reason, tracker.tokens, nxt.worker_id)
+            body = migration.continuation_body(routed.payload, routed.kind, served, tracker.text, tracker.tokens)
+            endpoint = self.pool.endpoint(nxt.url)
+            api_key = getattr(nxt, "api_key", None)
+            head = b"".join((b"POST ", endpoint.base_path, req.url, b" HTTP/1.1\r\nHost: ", endpoint.host_header,
+                             b"\r\n", common.rsplit(b"Content-Length: ", 1)[0],
+                             b"Content-Length: %d\r\n" % len(body), watch.upstream(nxt.worker_id, nxt.url),
+                             b"Authorization: Bearer %s\r\n" % api_key.encode() if api_key else b"", b"\r\n"))
+            tracker.begin_continuation()
+            pulse = self.stalls.pulse(nxt)
+            exchange = Exchange(client, STREAM, b"", dispatcher.proxy_config.timeouts, tracker=tracker,
+                                resumed=True, pulse=pulse)
+            ticket = dispatcher.begin(decision, policy, routed)
+            outcome: Retryable | Relayed | None = None
+            try:
+                outcome = await exchange.send(self.pool, endpoint, head + body)
+            except asyncio.CancelledError:
+                metrics.requests.labels(served, nxt.worker_id, "client_closed").inc()
+                raise
+            finally:
+                dispatcher.end(ticket, outcome.first_byte_at if isinstance(outcome, Relayed) else None)
+                watch.attempt_ended(outcome)
+                self.stalls.forget_idle(pulse)
+            if isinstance(outcome, Relayed):
+                worker = nxt
+                metrics.migrations.labels(served, "continued").inc()
+                if not outcome.resumable:
+                    return worker, outcome
+                reason = outcome.break_reason  # it too broke, after relaying part of the rest
+                continue
+            # it failed before relaying anything: the stream is where it was
+            reason = outcome.reason
+            if _attempt(outcome).failure is not None:
+                self.registry.record_failure(nxt, outcome.detail)
+            log.info("request %s: continuation on %s failed: %s", rid, nxt.worker_id, outcome.detail)
+
+    def _worker_broke(self, served: str, worker: Worker, reason: str) -> None:
+        """`worker` broke a stream that then went on elsewhere."""
+        self.registry.record_failure(worker, f"stream broke after the first byte ({reason})")
+        self.metrics.stream_failures.labels(served, worker.worker_id).inc()
 
     def _record(self, served: str, worker: Worker, outcome: Relayed, started: float) -> None:
         metrics = self.metrics
@@ -207,6 +320,10 @@ class Journey:
         detail = f" (last error: {failure.detail})" if failure else ""
         raise ProxyError(503, f"No healthy worker could serve model `{served}`{detail}.", "service_unavailable",
                          code="no_healthy_worker", headers={"Retry-After": "1"})
+
+
+# Failures of a non-streamed request while its worker was generating: it starts again on another worker.
+_RESTARTED = frozenset({"broken_body", "stalled", "connection_lost", "broken_before_first_chunk"})
 
 
 def _attempt(failure: Retryable) -> Attempt:

@@ -1,0 +1,275 @@
+"""Mid-stream migration: may a stream continue on another worker, the continuation's body, and the tracker
+that reads the SSE events relayed to the client (text and tokens so far) and rewrites a continuation's.
+
+Owns the OpenAI / vLLM wire details of continuing a generation (continue_final_message, prompt + text, reduced
+max_tokens, the first stream's id/created/model, usage of the whole answer); bytes and deadlines are
+exchange.py's, choosing the next worker and the migration limit journey.py's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from proxy.registry import Worker
+from proxy.request import CHAT
+
+# Engines whose OpenAI server continues a final assistant message (vLLM's continue_final_message); LMDeploy's
+# api_server (turbomind, pytorch, and its /nodes/add registrations) does not.
+CONTINUES_CHAT = frozenset({"vllm", "sim"})
+# Structured output restarts its grammar at the first generated token: a continuation would break it.
+_STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+               "structured_outputs")
+# One SSE event larger than this is not an answer chunk: the stream is treated as broken.
+MAX_EVENT_BYTES = 4 * 1024 * 1024
+
+
+def refusal(payload: dict[str, Any], kind: str) -> str | None:
+    """Why a streamed request could not continue on another worker (None: it could)."""
+    if payload.get("n", 1) not in (1, None) or payload.get("best_of", 1) not in (1, None):
+        return "n>1"
+    if payload.get("logprobs") not in (None, False) or payload.get("top_logprobs") is not None:
+        return "logprobs"
+    if payload.get("echo"):
+        return "echo"
+    if any(payload.get(key) is not None for key in ("tools", "tool_choice", "functions", "function_call")):
+        return "tools"
+    if any(payload.get(key) is not None and payload.get(key) != {"type": "text"} for key in _STRUCTURED):
+        return "structured_output"
+    if kind == CHAT:
+        messages = payload.get("messages")
+        if payload.get("continue_final_message") and not (
+                isinstance(messages, list) and messages and isinstance(messages[-1], dict)
+                and isinstance(messages[-1].get("content"), str)):
+            return "continue_final_message"
+        return None
+    if _prompt_text(payload.get("prompt")) is None:
+        return "token_prompt"
+    return None
+
+
+def engine_continues(worker: Worker, kind: str) -> bool:
+    """`worker`'s engine takes a continuation of `kind` (a completion prompt + text: every engine)."""
+    if kind != CHAT:
+        return True
+    if worker.engine in CONTINUES_CHAT:
+        return True
+    # a worker added by URL alone: a plain `vllm serve` (static config); LMDeploy comes through /nodes/add
+    return worker.engine == "unknown" and worker.source != "nodes"
+
+
+def _prompt_text(prompt: Any) -> str | None:
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else None
+
+
+def continuation_body(payload: dict[str, Any], kind: str, served: str, text: str, sent_tokens: int) -> bytes:
+    """The request that continues a generation of which `text` (`sent_tokens` tokens) reached the client."""
+    body = dict(payload)
+    body["model"] = served
+    if text:
+        if kind == CHAT:
+            messages = list(payload["messages"])
+            if payload.get("continue_final_message"):  # the client's own prefill: extend it
+                last = dict(messages[-1])
+                last["content"] = last["content"] + text
+                messages[-1] = last
+            else:
+                messages.append({"role": "assistant", "content": text})
+            body["messages"] = messages
+            body["continue_final_message"] = True
+            body["add_generation_prompt"] = False
+        else:
+            body["prompt"] = _prompt_text(payload.get("prompt")) + text
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = payload.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            body[key] = max(1, value - sent_tokens)
+    value = payload.get("min_tokens")
+    if isinstance(value, int) and not isinstance(value, bool):
+        body["min_tokens"] = max(0, value - sent_tokens)
+    return orjson.dumps(body)
+
+
+def token_budget_left(payload: dict[str, Any], sent_tokens: int) -> bool:
+    """The client's max_tokens leaves room for more than what was sent."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = payload.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value - sent_tokens > 0
+    return True
+
+
+class StreamTracker:
+    """One client's SSE stream across the workers that serve it: what reached the client, and the rewriting
+    of a continuation's events into the first stream's (same id, created, model; usage of the whole answer).
+
+    Only whole events are passed on; at most one partial event is held (dropped if its worker dies)."""
+
+    __slots__ = ("chat", "include_usage", "partial", "texts", "tokens", "base", "prompt_tokens", "id", "created",
+                 "model", "continuation", "finished", "done", "broken", "blocker", "framing", "migrations",
+                 "passthrough")
+
+    def __init__(self, chat: bool, include_usage: bool) -> None:
+        self.chat = chat
+        self.include_usage = include_usage
+        self.partial = b""
+        self.texts: list[str] = []
+        self.tokens = 0            # completion tokens the client has got (all workers)
+        self.base = 0              # of which those sent before the current worker took over
+        self.prompt_tokens: int | None = None  # the original request's, once a chunk said it
+        self.id: Any = None
+        self.created: Any = None
+        self.model: Any = None
+        self.continuation = False  # the current worker continues another's generation
+        self.finished = False      # a finish_reason reached the client
+        self.done = False          # data: [DONE] reached the client
+        self.broken: str | None = None   # the current worker's stream cannot be read on
+        self.blocker: str | None = None  # seen in the stream: what makes it impossible to continue
+        self.framing = 0           # the client body's framing (exchange.py's _CHUNKED / _CLOSE)
+        self.migrations = 0
+        self.passthrough = False   # not an OpenAI chunk stream: relayed as bytes, no longer read
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def begin_continuation(self) -> None:
+        """The next bytes come from a worker continuing the generation."""
+        self.partial = b""
+        self.base = self.tokens
+        self.continuation = True
+        self.broken = None
+        self.migrations += 1
+
+    def feed(self, data: bytes) -> bytes:
+        """Bytes from the worker -> bytes for the client (whole events, rewritten when continuing)."""
+        if self.passthrough:
+            return data
+        if self.broken is not None:
+            return b""
+        buf = self.partial + data if self.partial else data
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            self.partial = buf
+            if len(buf) > MAX_EVENT_BYTES:
+                self.broken = "an SSE event larger than any answer chunk"
+            return b""
+        whole, self.partial = buf[:end + 2], buf[end + 2:]
+        events = whole.split(b"\n\n")
+        events.pop()  # the empty piece after the last separator
+        if not self.continuation:
+            for i, event in enumerate(events):
+                if self._read(event) is None:  # broken: pass on what came before it
+                    return b"".join(e + b"\n\n" for e in events[:i])
+                if self.passthrough:  # from here on, bytes as they come
+                    partial, self.partial = self.partial, b""
+                    return whole + partial
+            return whole
+        out = []
+        for event in events:
+            rewritten = self._read(event)
+            if rewritten is None:
+                break
+            if rewritten:
+                out.append(rewritten)
+        return b"".join(out)
+
+    def _read(self, event: bytes) -> bytes | None:
+        """Record one event; what to send for it (b"": nothing), or None when the stream is broken."""
+        data = b""
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                piece = line[5:]
+                data += piece[1:] if piece.startswith(b" ") else piece
+        if not data:
+            return event + b"\n\n" if not self.continuation else b""  # a comment or keep-alive
+        if data == b"[DONE]":
+            self.done = True
+            return b"data: [DONE]\n\n"
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            if self.continuation:
+                self.broken = "an unreadable stream event"
+                return None
+            self.blocker = "not an OpenAI chunk stream"
+            self.passthrough = True
+            return b""
+        if not isinstance(obj, dict) or "error" in obj:
+            self.broken = "an error event in the stream"
+            return None
+        choices = obj.get("choices")
+        usage = obj.get("usage")
+        if not self.continuation and self.id is None:
+            self.id, self.created, self.model = obj.get("id"), obj.get("created"), obj.get("model")
+        role_only = False
+        if choices:
+            choice = choices[0] if isinstance(choices, list) and isinstance(choices[0], dict) else {}
+            if len(choices) != 1:
+                self.blocker = "n>1"
+            if choice.get("logprobs") is not None:
+                self.blocker = "logprobs"
+            if self.chat:
+                delta = choice.get("delta") or {}
+                if delta.get("tool_calls") or delta.get("function_call"):
+                    self.blocker = "tools"
+                if delta.get("reasoning_content") or delta.get("reasoning"):
+                    self.blocker = "reasoning"
+                content = delta.get("content")
+                role_only = "role" in delta and not content and choice.get("finish_reason") is None
+            else:
+                content = choice.get("text")
+            if not role_only:
+                if isinstance(content, str) and content:
+                    self.texts.append(content)
+                if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                    self.tokens = self.base + usage["completion_tokens"]  # continuous_usage_stats: exact
+                else:
+                    self.tokens += 1  # vLLM and the sim stream one token per chunk
+                if choice.get("finish_reason") is not None:
+                    self.finished = True
+        if isinstance(usage, dict) and not self.continuation and self.prompt_tokens is None:
+            if isinstance(usage.get("prompt_tokens"), int):
+                self.prompt_tokens = usage["prompt_tokens"]
+        if not self.continuation:
+            return b""  # passed on unchanged by feed()
+        if role_only:
+            return b""  # the client had its role chunk from the first worker
+        obj["id"], obj["created"], obj["model"] = self.id, self.created, self.model
+        if isinstance(usage, dict):
+            obj["usage"] = self._whole_usage(usage)
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    def _whole_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        usage = dict(usage)
+        completion = usage.get("completion_tokens")
+        if isinstance(completion, int):
+            usage["completion_tokens"] = completion + self.base
+        prompt = usage.get("prompt_tokens")
+        if self.prompt_tokens is not None:
+            usage["prompt_tokens"] = self.prompt_tokens
+        elif isinstance(prompt, int):
+            # the continuation's prompt is the original's plus the text so far (as many tokens, near enough)
+            usage["prompt_tokens"] = max(0, prompt - self.base)
+        if isinstance(usage.get("prompt_tokens"), int) and isinstance(usage.get("completion_tokens"), int):
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and "cached_tokens" in details:
+            usage["prompt_tokens_details"] = None  # the continuation's cache hits are not the request's
+        return usage
+
+    def closing(self) -> bytes:
+        """The end of a stream whose answer was complete when its worker failed (finish_reason sent)."""
+        out = b""
+        if self.include_usage and self.prompt_tokens is not None:
+            usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
+                     "total_tokens": self.prompt_tokens + self.tokens}
+            obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                   "created": self.created, "model": self.model, "choices": [], "usage": usage}
+            out = b"data: " + orjson.dumps(obj) + b"\n\n"
+        return out + b"data: [DONE]\n\n"
