@@ -134,7 +134,8 @@ def micro(n: int) -> None:
     scores = {f"sim-{i}": 0.01 * (i + 1) for i in range(4)}
     gate = DebugGate(None, False)
     variants = {"quiet": (None, None), "access-log": (None, AccessLog()),
-                "tracing": (Tracing(BatchSpanProcessor(Dropped(), max_queue_size=4 * n)), AccessLog())}
+                "tracing": (Tracing(BatchSpanProcessor(Dropped(), max_queue_size=2 * n), whole_requests=True),
+                            AccessLog())}
     for name, (tracing, access) in variants.items():
         access_logger.setLevel(logging.WARNING if access is None else logging.INFO)
         observer = Observer(tracing, access, gate)

@@ -3,8 +3,8 @@ BatchSpanProcessor on its own thread (OTLP/HTTP protobuf, otlp.py, when `proxy.o
 
 Owns the span tree (kvroute.request > route, queue, upstream), W3C traceparent in and out, and the export
 settings. Not when to call it: proxy/observability/watch.py does that for the data plane. Spans are built
-as finished ReadableSpans at the end of their phase (plain dicts, no SDK tracer, locks or attribute checks:
-the tracer's own path cost ~50 us a span here); the processor queues them and exports off the loop.
+as plain tuples (no SDK tracer, locks or attribute checks: the tracer's own path cost ~50 us a span here)
+and queued once per request when it ends; encoding and sending happen on the export thread.
 """
 
 from __future__ import annotations
@@ -60,25 +60,36 @@ def best_candidates(scores: Mapping[str, float] | None, limit: int) -> list[tupl
     return items[:limit]
 
 
+# span kinds as OTLP numbers them (the SDK's SpanKind enum starts at INTERNAL = 0)
+INTERNAL, SERVER, CLIENT = 1, 2, 3
+_SDK_KIND = {INTERNAL: SpanKind.INTERNAL, SERVER: SpanKind.SERVER, CLIENT: SpanKind.CLIENT}
+
+
 class RequestTrace:
-    """The spans of one request. Times are time.monotonic() seconds; each span is handed to the processor
-    once finished. Every method may be called in any order; a missing phase is simply left out."""
+    """The spans of one request, kept as plain tuples until the request ends; then handed to the processor
+    whole (one queue entry: the OTLP exporter encodes the tuples) or as SDK ReadableSpans (any other exporter).
+    Times given are time.monotonic() seconds. Every method may be called in any order; a phase never
+    reported is simply left out.
 
-    __slots__ = ("tracing", "trace_id", "root_id", "root_context", "remote_parent", "offset_ns", "start_ns", "attributes",
-                 "events", "up_id", "up_start_ns", "up_attributes", "attempts")
+    A span: (name, span id, parent span id or None for the root, kind, start ns, end ns, attributes,
+    events as (name, ns, attributes or None), error)."""
 
-    def __init__(self, tracing: Tracing, trace_id: int, remote_parent: SpanContext | None, started: float,
+    __slots__ = ("tracing", "trace_id", "root_id", "context", "remote_parent_id", "offset_ns", "start_ns",
+                 "attributes", "events", "spans", "up_id", "up_start_ns", "up_attributes", "attempts")
+
+    def __init__(self, tracing: Tracing, trace_id: int, remote_parent_id: int | None, started: float,
                  attributes: dict[str, Any]) -> None:
         self.tracing = tracing
         self.trace_id = trace_id
         self.root_id = tracing.rng.getrandbits(64) or 1
-        self.root_context = SpanContext(trace_id, self.root_id, False, _SAMPLED)
-        self.remote_parent = remote_parent
+        self.context = SpanContext(trace_id, self.root_id, False, _SAMPLED)  # what a span processor checks
+        self.remote_parent_id = remote_parent_id
         # monotonic -> wall clock, once per request: OTLP wants Unix nanoseconds
         self.offset_ns = time.time_ns() - time.monotonic_ns()
         self.start_ns = int(started * 1e9) + self.offset_ns
         self.attributes = attributes
-        self.events: list[Event] = []
+        self.events: list[tuple[str, int, dict[str, Any] | None]] = []
+        self.spans: list[tuple] = []
         self.up_id = 0
         self.up_start_ns = 0
         self.up_attributes: dict[str, Any] | None = None
@@ -87,27 +98,15 @@ class RequestTrace:
     def _ns(self, monotonic_s: float) -> int:
         return int(monotonic_s * 1e9) + self.offset_ns
 
-    def _now_ns(self) -> int:
-        return time.monotonic_ns() + self.offset_ns
-
-    def _emit(self, name: str, span_id: int, parent: SpanContext | None, kind: SpanKind, start_ns: int,
-              end_ns: int, attributes: dict[str, Any], events: list[Event] | tuple = (), status: Status = _OK) -> None:
-        tracing = self.tracing
-        context = self.root_context if span_id == self.root_id else SpanContext(self.trace_id, span_id, False, _SAMPLED)
-        tracing.processor.on_end(ReadableSpan(
-            name, context, parent, tracing.resource, attributes, events, (), kind, None, status,
-            start_ns, end_ns, tracing.scope))
-
     def event(self, name: str, attributes: dict[str, Any] | None = None) -> None:
         """A point in the request's life on its root span ("parsed", ...)."""
-        self.events.append(Event(name, attributes, self._now_ns()))
+        self.events.append((name, time.monotonic_ns() + self.offset_ns, attributes))
 
     def route(self, started: float, ended: float, worker: str | None, reason: str, policy: str,
               scores: Mapping[str, float] | None, held: bool) -> None:
         """The decision as a `route` span: the best candidates with their scores, the pick, why, the policy;
         and a `queue` span over the time the request was held in admission."""
         start_ns, end_ns = self._ns(started), self._ns(ended)
-        root = self.root_context
         best = best_candidates(scores, ROUTE_CANDIDATES)
         attributes: dict[str, Any] = {"kvroute.policy": policy, "kvroute.reason": reason,
                                       "kvroute.candidates": [w for w, _ in best],
@@ -117,16 +116,18 @@ class RequestTrace:
         if worker is not None:
             attributes["kvroute.worker"] = worker
         rng = self.tracing.rng
+        root = self.root_id
         if held:
-            self._emit("queue", rng.getrandbits(64) or 1, root, SpanKind.INTERNAL, start_ns, end_ns,
-                       {"kvroute.policy": policy})
-        self._emit("route", rng.getrandbits(64) or 1, root, SpanKind.INTERNAL, start_ns, end_ns, attributes)
+            self.spans.append(("queue", rng.getrandbits(64) or 1, root, INTERNAL, start_ns, end_ns,
+                               {"kvroute.policy": policy}, (), False))
+        self.spans.append(("route", rng.getrandbits(64) or 1, root, INTERNAL, start_ns, end_ns, attributes, (),
+                           False))
 
     def upstream_start(self, worker: str, url: str) -> bytes:
         """Open the attempt's `upstream` span; the header line that carries its traceparent to the worker."""
         self.attempts += 1
         self.up_id = span_id = self.tracing.rng.getrandbits(64) or 1
-        self.up_start_ns = self._now_ns()
+        self.up_start_ns = time.monotonic_ns() + self.offset_ns
         self.up_attributes = {"kvroute.worker": worker, "server.address": url, "kvroute.attempt": self.attempts}
         return b"traceparent: 00-%032x-%016x-01\r\n" % (self.trace_id, span_id)
 
@@ -138,34 +139,57 @@ class RequestTrace:
         self.up_attributes = None
         if status:
             attributes["http.response.status_code"] = status
-        events = [Event("first_byte", None, self._ns(first_byte_at))] if first_byte_at is not None else ()
         if error:
             attributes["error.type"] = error
-        self._emit("upstream", self.up_id, self.root_context, SpanKind.CLIENT, self.up_start_ns,
-                   self._now_ns(), attributes, events, _ERROR if error else _OK)
+        events = (("first_byte", self._ns(first_byte_at), None),) if first_byte_at is not None else ()
+        self.spans.append(("upstream", self.up_id, self.root_id, CLIENT, self.up_start_ns,
+                           time.monotonic_ns() + self.offset_ns, attributes, events, bool(error)))
 
     def end(self, status: int, attributes: dict[str, Any]) -> None:
-        """Close the request's root span (and an attempt left open by a cancellation)."""
+        """Close the request's root span (and an attempt left open by a cancellation); hand the trace over."""
         if self.up_attributes is not None:
             self.upstream_end(None, None, "cancelled")
         root_attributes = self.attributes
         root_attributes.update(attributes)
         if status:
             root_attributes["http.response.status_code"] = status
-        self._emit("kvroute.request", self.root_id, self.remote_parent, SpanKind.SERVER, self.start_ns,
-                   self._now_ns(), root_attributes, self.events, _ERROR if status >= 500 else _OK)
+        self.spans.append(("kvroute.request", self.root_id, None, SERVER, self.start_ns,
+                           time.monotonic_ns() + self.offset_ns, root_attributes, self.events, status >= 500))
+        tracing = self.tracing
+        if tracing.whole_requests:
+            tracing.processor.on_end(self)  # type: ignore[arg-type]  # the exporter takes RequestTraces
+        else:
+            for span in self.readable_spans():
+                tracing.processor.on_end(span)
+
+    def readable_spans(self) -> list[ReadableSpan]:
+        """The spans as the SDK's ReadableSpans, for any SDK exporter."""
+        tracing = self.tracing
+        trace_id = self.trace_id
+        remote = (SpanContext(trace_id, self.remote_parent_id, True, _SAMPLED)
+                  if self.remote_parent_id is not None else None)
+        out = []
+        for name, span_id, parent_id, kind, start_ns, end_ns, attributes, events, error in self.spans:
+            parent = remote if parent_id is None else SpanContext(trace_id, parent_id, False, _SAMPLED)
+            out.append(ReadableSpan(
+                name, SpanContext(trace_id, span_id, False, _SAMPLED), parent, tracing.resource, attributes,
+                [Event(n, a, ts) for n, ts, a in events], (), _SDK_KIND[kind], None, _ERROR if error else _OK,
+                start_ns, end_ns, tracing.scope))
+        return out
 
 
 class Tracing:
-    """Request traces into one span processor (BatchSpanProcessor over OTLP; tests pass a SimpleSpanProcessor
-    with the SDK's in-memory exporter)."""
+    """Request traces into one span processor: a BatchSpanProcessor over otlp.py's exporter, which takes a
+    whole RequestTrace per queue entry (`whole_requests`), or any SDK processor and exporter, which get
+    ReadableSpans (tests use the SDK's in-memory exporter)."""
 
     def __init__(self, processor: SpanProcessor, resource: Resource | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, whole_requests: bool = False) -> None:
         self.processor = processor
         self.resource = resource or Resource.create({"service.name": SERVICE_NAME})
         self.scope = InstrumentationScope("kvroute")
         self.rng = rng or random.Random()
+        self.whole_requests = whole_requests
 
     def begin(self, traceparent: bytes | None, started: float, attributes: dict[str, Any]) -> RequestTrace | None:
         """A request's trace, a child of the client's span when it sent a traceparent. None when the client's
@@ -176,7 +200,7 @@ class Tracing:
         trace_id, span_id, sampled = parent
         if not sampled:
             return None
-        return RequestTrace(self, trace_id, SpanContext(trace_id, span_id, True, _SAMPLED), started, attributes)
+        return RequestTrace(self, trace_id, span_id, started, attributes)
 
     def shutdown(self) -> None:
         """Export what is queued and stop the export thread (blocking: call it off the loop)."""
@@ -209,4 +233,4 @@ def tracing_from_settings(otlp_endpoint: str | None, environ: Mapping[str, str] 
 
     from proxy.observability.otlp import OtlpHttpExporter
 
-    return Tracing(BatchSpanProcessor(OtlpHttpExporter(url, environ)))
+    return Tracing(BatchSpanProcessor(OtlpHttpExporter(url, environ)), whole_requests=True)

@@ -103,8 +103,8 @@ class RequestWatch:
             else:
                 error = ("stream_error" if outcome.worker_failed else
                          "client_closed" if outcome.client_gone else None)
-            if first_byte_at is not None:
-                self.first_byte_at = first_byte_at
+            if first_byte_at is not None and self.first_byte_at is None:
+                self.first_byte_at = first_byte_at  # the client's first byte (a migrated stream's later ones are not)
             if status:
                 self.status = status
         self.error = error

@@ -198,3 +198,5 @@ def test_the_hand_written_otlp_encoding_is_what_the_sdk_encodes():
             for span in scope_spans.spans:
                 span.flags = 0  # the SDK also says whether the parent is remote; receivers do not need it
     assert ExportTraceServiceRequest.FromString(encode_request(spans)) == expected
+    # what the OTLP exporter gets from the batch processor: the whole request's trace, encoded from its tuples
+    assert ExportTraceServiceRequest.FromString(encode_request([trace])) == expected
