@@ -85,6 +85,7 @@ class ChaosFleet:
     slots: list[Slot] = field(default_factory=list)
     proxy: subprocess.Popen[bytes] | None = None
     redis: subprocess.Popen[bytes] | None = None
+    kills_done: int = 0
 
     @property
     def url(self) -> str:
@@ -334,7 +335,8 @@ class Injector:
             if kind == "kill":
                 in_flight = await _in_flight(self.fleet.url, victim.worker_id)  # just before: the proxy ends them fast
                 await asyncio.to_thread(self.fleet.kill, victim)
-                slow = self.fleet.settings.slow_start_s if victim.restarts % 2 == 1 else 0.0
+                self.fleet.kills_done += 1
+                slow = self.fleet.settings.slow_start_s if self.fleet.kills_done % 2 == 0 else 0.0
                 self._note("sigkill", victim.worker_id, in_flight=in_flight)
                 self._pending.append(asyncio.create_task(self._restart_later(victim, self.rng.uniform(0.3, 1.5),
                                                                              slow)))
