@@ -19,6 +19,10 @@ each release is followed by the released request's dispatch, which re-checks the
 moves one request per freed slot, in arrival order, and a new arrival queues behind any waiter.
 `kv_high_water` below 1.0 adds the old rule (hold while every candidate's projected KV usage is
 at or above it): it trades throughput for headroom against preemption and is off by default.
+
+Candidates come from proxy/routing/candidates.py's rosters (ready workers of the model that fit the
+request's context, kept up to date by load events, with a count of engines that admit at once), so a
+decision does no per-worker work; policies get them through Policy.select_from.
 """
 
 from __future__ import annotations

@@ -19,13 +19,15 @@ goodput went from 35% to 98%, with chat and the two-model mix unchanged
 (bench/results/2026-11-29-quality.md, rows kv_aware@prefix_weight=1.0).
 
 Scale: admission hands select_from() a roster (proxy/routing/candidates.py) that keeps its members
-sorted by load_cost (the cost without the prefix term) and in flight as their loads change. For a
-worker the prefix index does not name, cost is exactly that key, so the cheapest of them is the
-first untried one in the order: above FULL_SCAN_UP_TO candidates only the SHORTLIST least loaded
-of those and every worker the index names for this prompt are scored, the same arithmetic as the
-full scan, and the minimum is the full scan's minimum. Ties: where the tie at the minimum reaches
-past the shortlist, the pick is uniform over every tied candidate (a range of the order), as the
-full scan's reservoir sampling makes it. Decision.scores then holds the scored workers only.
+sorted by (round(load_cost, 9), in flight) as their loads change; load_cost is cost without the
+prefix term, computed with the same arithmetic. For a worker the prefix index does not name, that
+key is its cost key, so the cheapest of them is the first untried one in the order: only the
+SHORTLIST least loaded of those and every worker the index names for this prompt are scored, and
+the minimum is the full scan's minimum
+(tests/proxy/test_candidates.py checks it on random fleets). Ties: where the tie at the minimum
+reaches past the shortlist, the pick is uniform over every tied candidate (a range of the order),
+as the full scan's reservoir sampling makes it. Decision.scores then holds the scored workers only
+(the shortlist's as their rounded keys).
 """
 
 from __future__ import annotations
@@ -45,8 +47,7 @@ log = logging.getLogger("kvroute.routing.kv_aware")
 QUEUE_WEIGHT = 0.02
 PREFIX_WEIGHT = 1.0
 PREFIX_SATURATION_TOKENS = 1024
-# With more candidates than this, score the SHORTLIST least loaded plus the prefix holders (module docstring).
-FULL_SCAN_UP_TO = 16
+# select_from() scores this many of the least loaded candidates plus the prefix holders (module docstring).
 SHORTLIST = 8
 
 
@@ -98,7 +99,7 @@ class KvAwarePolicy(Policy):
 
     def select_from(self, candidates: Candidates, request: RoutedRequest, now: float) -> Decision:
         roster = candidates.roster
-        if roster is None or len(candidates) <= FULL_SCAN_UP_TO:
+        if roster is None:  # a plain list (kv_high_water on, or a retry with only stale workers left)
             return self.select(candidates.workers, request, now)
         roster.refresh(now)
         entries = roster.order(load_cost)
@@ -168,6 +169,7 @@ class KvAwarePolicy(Policy):
             worker = entries[lo + rng.randrange(hi - lo)][3].worker
             if worker.worker_id not in excluded and worker.worker_id not in depths:
                 return worker, 0
+
     def on_dispatch(self, decision: Decision, request: RoutedRequest, now: float) -> None:
         if request.prefix_hashes:
             self.deps.prefix_index.insert(request.prefix_hashes, decision.worker.worker_id, now)

@@ -99,10 +99,10 @@ def full_scan_best(fleet: Fleet, candidates, request) -> tuple[tuple[float, int]
     return best, scores
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_the_shortlist_picks_a_worker_as_cheap_as_the_full_scans_best(seed):
+@pytest.mark.parametrize(("seed", "size"), [(s, None) for s in range(6)] + [(6, 5), (7, 12)])
+def test_the_shortlist_picks_a_worker_as_cheap_as_the_full_scans_best(seed, size):
     rng = random.Random(seed)
-    fleet = Fleet(rng.randint(50, 200), seed)
+    fleet = Fleet(size or rng.randint(50, 200), seed)
     checked = 0
     for round_ in range(40):
         fleet.churn(rng.randint(5, 80))
@@ -110,7 +110,7 @@ def test_the_shortlist_picks_a_worker_as_cheap_as_the_full_scans_best(seed):
             request = chat(round_ * 10 + i, rng.choice(SYSTEMS) if i % 2 else None)  # half without a prefix
             tried = {f"w{rng.randrange(len(fleet.workers()))}" for _ in range(rng.choice([0, 0, 1, 3]))}
             candidates = fleet.candidates(request, tried)
-            assert candidates.roster is not None and len(candidates) > SHORTLIST * 2
+            assert candidates.roster is not None and len(candidates) == len(fleet.workers()) - len(tried)
             fast = fleet.policy.select_from(candidates, request, fleet.clock.now)
             best, scores = full_scan_best(fleet, candidates, request)
             assert fast.worker.worker_id not in tried
