@@ -181,11 +181,14 @@ class StreamTracker:
 
     def _read(self, event: bytes) -> bytes | None:
         """Record one event; what to send for it (b"": nothing), or None when the stream is broken."""
-        data = b""
-        for line in event.split(b"\n"):
-            if line.startswith(b"data:"):
-                piece = line[5:]
-                data += piece[1:] if piece.startswith(b" ") else piece
+        if event.startswith(b"data: ") and b"\n" not in event:  # vLLM's and the sim's: one data line
+            data = event[6:]
+        else:
+            data = b""
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    piece = line[5:]
+                    data += piece[1:] if piece.startswith(b" ") else piece
         if not data:
             return event + b"\n\n" if not self.continuation else b""  # a comment or keep-alive
         if data == b"[DONE]":
@@ -205,7 +208,7 @@ class StreamTracker:
             return None
         choices = obj.get("choices")
         usage = obj.get("usage")
-        if not self.continuation and self.id is None:
+        if self.id is None and not self.continuation:
             self.id, self.created, self.model = obj.get("id"), obj.get("created"), obj.get("model")
         role_only = False
         if choices:
@@ -216,12 +219,13 @@ class StreamTracker:
                 self.blocker = "logprobs"
             if self.chat:
                 delta = choice.get("delta") or {}
-                if delta.get("tool_calls") or delta.get("function_call"):
-                    self.blocker = "tools"
-                if delta.get("reasoning_content") or delta.get("reasoning"):
-                    self.blocker = "reasoning"
+                if len(delta) > 1 or "content" not in delta:  # anything but plain content: look closer
+                    if delta.get("tool_calls") or delta.get("function_call"):
+                        self.blocker = "tools"
+                    if delta.get("reasoning_content") or delta.get("reasoning"):
+                        self.blocker = "reasoning"
+                    role_only = "role" in delta and not delta.get("content") and choice.get("finish_reason") is None
                 content = delta.get("content")
-                role_only = "role" in delta and not content and choice.get("finish_reason") is None
             else:
                 content = choice.get("text")
             if not role_only:

@@ -209,3 +209,37 @@ def test_the_tracker_passes_whole_events_and_rewrites_a_continuation():
     broken = migration.StreamTracker(chat=True, include_usage=False)
     assert broken.feed(tok + b'data: {"error": {"message": "engine dead"}}\n\n') == tok
     assert broken.broken is not None
+
+
+def test_a_chat_moves_only_to_engines_that_continue_a_message():
+    from proxy.registry import Worker
+
+    assert migration.engine_continues(Worker("v", "http://h:1", ["m"], engine="vllm"), CHAT)
+    assert migration.engine_continues(Worker("s", "http://h:2", ["m"], engine="sim"), CHAT)
+    for engine in ("turbomind", "pytorch"):
+        worker = Worker("t", "http://h:3", ["m"], engine=engine)
+        assert not migration.engine_continues(worker, CHAT)
+        assert migration.engine_continues(worker, COMPLETIONS)  # a prompt with the text appended: any engine
+    assert not migration.engine_continues(Worker("l", "http://h:4", ["m"], source="nodes"), CHAT)  # LMDeploy
+    assert migration.engine_continues(Worker("u", "http://h:5", ["m"], source="static"), CHAT)  # vllm serve
+
+
+def test_the_sim_continues_a_final_assistant_message_like_vllm():
+    from backends.sim.openai_api import ApiError, parse_request
+
+    user = {"role": "user", "content": "Tell me a story."}
+    fresh = parse_request({"messages": [user], "max_tokens": 5}, "chat", "m", 4096, 0)
+    cont = parse_request({"messages": [user, {"role": "assistant", "content": "Once upon a time"}], "max_tokens": 5,
+                          "continue_final_message": True, "add_generation_prompt": False}, "chat", "m", 4096, 0)
+    # the open assistant message is the generation prompt plus its text: no <|im_end|>, no new header
+    assert cont.prompt.token_ids[:len(fresh.prompt.token_ids)] == fresh.prompt.token_ids
+    assert len(cont.prompt.token_ids) == len(fresh.prompt.token_ids) + count_text_tokens("Once upon a time")
+    assert cont.prompt.continues
+    for body, message in (
+            ({"messages": [user, {"role": "assistant", "content": "x"}], "continue_final_message": True},
+             "Cannot set both `continue_final_message` and `add_generation_prompt` to True."),
+            ({"messages": [user], "continue_final_message": True, "add_generation_prompt": False},
+             "Cannot set `continue_final_message` to True when the last message is not from the assistant.")):
+        with pytest.raises(ApiError) as refused:
+            parse_request(body, "chat", "m", 4096, 0)
+        assert refused.value.status == 400 and refused.value.message == message
