@@ -59,7 +59,10 @@ def _string(tag: bytes, text: str) -> bytes:
 # tag bytes of length-delimited fields 1..15: (number << 3) | 2
 _T = [bytes((n << 3 | 2,)) for n in range(16)]
 _T1, _T2, _T3, _T4, _T5 = _T[1], _T[2], _T[3], _T[4], _T[5]
-_KEYS: dict[str, bytes] = {}  # attribute key -> its encoded KeyValue.key field (few distinct keys)
+# Encoded KeyValues of scalar attributes seen before (policy, reason, worker, URL, status...): most repeat.
+_CACHE_LIMIT = 4096
+_UNIQUE_KEYS = frozenset(("kvroute.request_id",))
+_SCALARS = (str, int, bool)  # not float: 0.0 == -0.0 would share an encoding
 
 
 def _any_value(value: Any) -> bytes:
@@ -83,18 +86,19 @@ def _any_value(value: Any) -> bytes:
     return _field(_T1, str(value).encode("utf-8", "replace"))
 
 
-def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
+def _attributes(tag: bytes, attributes: Mapping[str, Any] | None, cache: dict | None = None) -> bytes:
     if not attributes:
         return b""
-    keys = _KEYS
     out = []
     for key, value in attributes.items():
-        encoded = keys.get(key)
+        kind = type(value)
+        memo = (tag, key, kind, value) if cache is not None and kind in _SCALARS and key not in _UNIQUE_KEYS else None
+        encoded = cache.get(memo) if memo is not None else None  # type: ignore[union-attr]
         if encoded is None:
-            encoded = _string(_T1, key)
-            if len(keys) < 1024:
-                keys[key] = encoded
-        out.append(_field(tag, encoded + _field(_T2, _any_value(value))))
+            encoded = _field(tag, _string(_T1, key) + _field(_T2, _any_value(value)))
+            if memo is not None and len(cache) < _CACHE_LIMIT:  # type: ignore[arg-type]
+                cache[memo] = encoded  # type: ignore[index]
+        out.append(encoded)
     return b"".join(out)
 
 
@@ -119,7 +123,7 @@ def encode_span(span: ReadableSpan) -> bytes:
     return b"".join(parts)
 
 
-def encode_trace(trace: Any) -> list[bytes]:
+def encode_trace(trace: Any, cache: dict | None = None) -> list[bytes]:
     """The encoded Span messages of one tracing.RequestTrace (its plain tuples, no SDK objects)."""
     trace_id = _field(_T1, trace.trace_id.to_bytes(16, "big"))
     remote = trace.remote_parent_id
@@ -130,10 +134,10 @@ def encode_trace(trace: Any) -> list[bytes]:
         if parent is not None:
             parts.append(_field(_PARENT, parent.to_bytes(8, "big")))
         parts += [_string(_T5, name), b"\x30" + _SMALL[kind], b"\x39" + _PACK_FIXED64(start_ns),
-                  b"\x41" + _PACK_FIXED64(end_ns), _attributes(_ATTRS, attributes)]
+                  b"\x41" + _PACK_FIXED64(end_ns), _attributes(_ATTRS, attributes, cache)]
         for event_name, ts, event_attributes in events:
             parts.append(_field(_EVENTS, b"\x09" + _PACK_FIXED64(ts) + _string(_T2, event_name)
-                                + _attributes(_T3, event_attributes)))
+                                + _attributes(_T3, event_attributes, cache)))
         parts.append(_ERROR_STATUS if error else _UNSET_STATUS)
         out.append(b"".join(parts))
     return out
@@ -143,15 +147,16 @@ _ERROR_STATUS = _field(_STATUS_FIELD, b"\x18\x02")
 _UNSET_STATUS = _field(_STATUS_FIELD, b"")
 
 
-def encode_request(items: Sequence[Any]) -> bytes:
-    """ExportTraceServiceRequest of RequestTraces (or SDK ReadableSpans): grouped by resource, then scope."""
+def encode_request(items: Sequence[Any], cache: dict | None = None) -> bytes:
+    """ExportTraceServiceRequest of RequestTraces (or SDK ReadableSpans): grouped by resource, then scope.
+    `cache`: a dict kept between calls (by one exporter) for the encodings of repeated attributes."""
     # keyed by identity: Resource hashes by serialising its attributes, 40 us a call
     groups: dict[int, tuple[Any, dict[int, tuple[Any, list[bytes]]]]] = {}
     for item in items:
         if isinstance(item, ReadableSpan):
             resource, scope, encoded = item.resource, item.instrumentation_scope, [encode_span(item)]
         else:
-            resource, scope, encoded = item.tracing.resource, item.tracing.scope, encode_trace(item)
+            resource, scope, encoded = item.tracing.resource, item.tracing.scope, encode_trace(item, cache)
         scopes = groups.setdefault(id(resource), (resource, {}))[1]
         scopes.setdefault(id(scope), (scope, []))[1].extend(encoded)
     out = []
@@ -190,9 +195,10 @@ class OtlpHttpExporter(SpanExporter):
             self.headers["Content-Encoding"] = "gzip"
         self.timeout_s = float(_env(env, "TIMEOUT", "10000")) / 1000  # the SDK reads milliseconds
         self.failures = 0
+        self.cache: dict = {}  # only the export thread uses it
 
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
-        body = encode_request(spans)
+        body = encode_request(spans, self.cache)
         if self.gzip:
             body = gzip.compress(body, compresslevel=1)
         request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")

@@ -200,3 +200,7 @@ def test_the_hand_written_otlp_encoding_is_what_the_sdk_encodes():
     assert ExportTraceServiceRequest.FromString(encode_request(spans)) == expected
     # what the OTLP exporter gets from the batch processor: the whole request's trace, encoded from its tuples
     assert ExportTraceServiceRequest.FromString(encode_request([trace])) == expected
+    cache: dict = {}  # as the exporter keeps it between batches: repeated attributes come from it
+    for _ in range(2):
+        assert ExportTraceServiceRequest.FromString(encode_request([trace], cache)) == expected
+    assert cache
