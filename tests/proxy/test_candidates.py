@@ -208,3 +208,61 @@ def test_a_request_longer_than_some_workers_context_goes_only_to_the_others_and_
     with pytest.raises(ProxyError) as refused:
         bounded.candidates(huge)
     assert refused.value.status == 400 and refused.value.code == "context_length_exceeded"
+
+
+def test_the_load_order_stays_true_through_dispatcher_begin_end_and_reports_with_workers_going_stale():
+    from proxy.config import FleetConfig
+    from proxy.dispatch import Dispatcher, PolicySet
+    from proxy.metrics import ProxyMetrics
+    from proxy.protocol import STALE_AFTER_S, LoadReport
+    from proxy.upstream import Upstream
+
+    rng, clock = random.Random(11), Clock()
+    registry = Registry(clock=clock)
+    config = FleetConfig()
+    deps = PolicyDeps(prefix_index=PrefixIndex(), rng=random.Random(11))
+    dispatcher = Dispatcher(config, registry, Upstream(config.proxy.timeouts), PolicySet(config, "kv_aware", deps),
+                            ProxyMetrics(registry))
+    policy = dispatcher.policies.for_model("m")
+    ids = [f"r{i}" for i in range(60)]
+    for wid in ids:
+        registry.register(WorkerRegistration(worker_id=wid, url=f"http://{wid}", models=["m"], engine="sim",
+                                             kv_capacity_tokens=100_000))
+    seq = iter(range(1, 10**9))
+    silent = set(rng.sample(ids, 10))  # these stop reporting: they go stale, leave the ready set
+
+    def report(wid: str) -> None:
+        registry.record_report(wid, LoadReport(
+            worker_id=wid, url=f"http://{wid}", models=["m"], engine="sim", kv_cache_usage=rng.choice([0.1, 0.4, 0.7]),
+            kv_capacity_tokens=100_000, num_running=rng.randrange(8), num_waiting=rng.choice([0, 0, 3]),
+            seq=next(seq)))
+
+    for wid in ids:
+        report(wid)
+    tickets = []
+    for step in range(400):
+        clock.now += 0.02
+        for k in range(3):  # round robin: each worker every 0.4 s, the silent ones only until 1003
+            wid = ids[(3 * step + k) % len(ids)]
+            if wid not in silent or clock.now < 1003.0:
+                report(wid)
+        coro = dispatcher.pick(policy, chat(step, rng.choice(SYSTEMS)), "m", set(), True)
+        with pytest.raises(StopIteration) as done:
+            coro.send(None)
+        decision = done.value.value
+        if decision is not None:
+            tickets.append(dispatcher.begin(decision, policy, chat(step, None)))
+        if len(tickets) > 40:
+            dispatcher.end(tickets.pop(rng.randrange(len(tickets))), None)
+        if step % 20 == 0:
+            roster = dispatcher.admission._fitting("m", chat(step, None), set()).roster
+            assert roster is not None
+            roster.order(load_cost)
+            assert_order_is_true(_FleetView(clock), roster)  # type: ignore[arg-type]
+    ready = {w.worker_id for w in dispatcher.admission._fitting("m", chat(0, None), set()).workers}
+    assert clock.now > 1003.0 + STALE_AFTER_S and ready == set(ids) - silent
+
+
+class _FleetView:
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
