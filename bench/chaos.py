@@ -465,7 +465,7 @@ async def run_chaos(settings: ChaosSettings, log_dir: Path, progress=print) -> d
                      f"{row['in_flight_after']:.0f}, fds {row['proxy_fds']}, RSS {row['proxy_rss_mb']} MB, "
                      f"{row['wall_s']} s")
     finally:
-        await asyncio.to_thread(fleet.stop)
+        fleet.stop()  # blocking on purpose: it must run even while the run is being cancelled
     return {"settings": asdict(settings), "environment": environment_note(), "baseline": baseline,
             "rounds": rounds, "log_dir": str(log_dir)}
 
