@@ -474,7 +474,14 @@ class Exchange:
             outcome = Retryable("first_byte_timeout" if timed_out else "broken_before_first_chunk",
                                 f"{detail} before the first chunk")
         else:
-            reason = "stalled" if self.stall_detail is not None else "idle_timeout" if timed_out else "connection_lost"
+            if self.stall_detail is not None:
+                reason = "stalled"
+            elif timed_out:
+                reason = "idle_timeout"
+            elif self.tracker is not None and self.tracker.broken is not None:
+                reason = "broken_stream"  # an error event or an unreadable one, in a well-framed body
+            else:
+                reason = "connection_lost"
             outcome = self._stream_broke(reason, detail)
         self.future.set_result(outcome)
 

@@ -22,8 +22,10 @@ log = logging.getLogger("kvroute.dataplane")
 
 GAP_WEIGHT = 0.1        # EWMA weight of one new inter-chunk gap
 STALL_GAPS = 20.0       # silence of this many typical gaps, at least stall_min_s, is a stall
-# A worker with no stream under way is stalled only when its load reports stopped as well: a long prefill
-# sends nothing for a while, but its worker keeps reporting.
+# A worker with no stream under way is stalled only when its load reports stopped as well, for at least
+# this long (a long prefill sends nothing for a while, but its worker keeps reporting; a busy host may
+# delay a report or two).
+REPORTS_LAPSED_S = 5.0
 RECHECK_S = 0.25
 
 
@@ -93,7 +95,7 @@ class Pulse:
         worker = self.worker
         if worker.reports:
             last = worker.load.reading_at if worker.load.reading_at is not None else worker.registered_mono
-            if self.clock() - last >= threshold:
+            if self.clock() - last >= max(threshold, REPORTS_LAPSED_S):
                 return "load reports stopped too"
         return None
 
