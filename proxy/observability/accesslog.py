@@ -25,4 +25,7 @@ class AccessLog:
 
     def write(self, record: dict[str, Any]) -> None:
         """`record`'s keys in order, None values included (a field is always there, so lines parse alike)."""
-        self.logger.info(orjson.dumps(record).decode())
+        logger = self.logger
+        # makeRecord + handle is logger.info without looking up the caller's frame (a fifth of the cost)
+        logger.handle(logger.makeRecord(logger.name, logging.INFO, __file__, 0, orjson.dumps(record).decode(),
+                                        None, None))
