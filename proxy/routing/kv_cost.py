@@ -56,7 +56,8 @@ than the prefix is prefilled elsewhere: otherwise the copy would cost the fleet 
 Scale: with more than SHORTLIST_ABOVE candidates only SHORTLIST random ones (power-of-d choices)
 plus every worker the prefix index names are scored, so a decision costs O(SHORTLIST + holders).
 Scoring one is arithmetic only: its load is read from a snapshot kept until its next event
-(loadview.LoadSnapshot), its parameters from the estimator's cache.
+(loadview.LoadSnapshot), its parameters from the estimator's cache. A retry (select_from with tried
+workers) draws from the roster's list and passes over the tried ones, instead of copying the list.
 """
 
 from __future__ import annotations
@@ -64,12 +65,13 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from proxy.loadview import LoadSnapshot
 from proxy.registry import Worker
 from proxy.request import RoutedRequest
 from proxy.routing.base import Decision, Policy, PolicyDeps
+from proxy.routing.candidates import Candidates
 from proxy.routing.estimator import WorkerModel
 
 log = logging.getLogger("kvroute.routing.kv_cost")
@@ -83,6 +85,7 @@ _RANDBELOW = getattr(random.Random, "_randbelow_with_getrandbits", None)
 # Learn the prefill parameters only from requests predicted to have waited little: the queue
 # estimate's error would otherwise be fitted as prefill cost.
 LEARN_MAX_QUEUE_SHARE = 0.25
+_NOT_ANY: frozenset[str] = frozenset()
 
 
 class Prediction:
@@ -188,9 +191,21 @@ class KvCostPolicy(Policy):
         self._by_id_workers: list[Worker] = []
 
     def select(self, candidates: Sequence[Worker], request: RoutedRequest, now: float) -> Decision:
+        return self._select(candidates, request, now, _NOT_ANY)
+
+    def select_from(self, candidates: Candidates, request: RoutedRequest, now: float) -> Decision:
+        roster = candidates.roster
+        if roster is not None and candidates.excluded and len(candidates) > SHORTLIST_ABOVE:
+            # a retry: draw from the roster's own list, passing over the tried workers (no copy of the list)
+            return self._select(roster.workers, request, now, candidates.excluded)
+        return self.select(candidates.workers, request, now)
+
+    def _select(self, candidates: Sequence[Worker], request: RoutedRequest, now: float,
+                excluded: Collection[str]) -> Decision:
+        """select() over `candidates` less the workers in `excluded` (more than SHORTLIST_ABOVE are left)."""
         index, estimator = self.deps.prefix_index, self.deps.estimator
         depths = index.match(request.prefix_hashes, None, now) if request.prefix_hashes else {}
-        pool = self._shortlist(candidates, depths)
+        pool = self._shortlist(candidates, depths, excluded)
         snapshots = [w.load.snapshot(now) for w in pool]
         # how saturated the fleet is: the longest queue a candidate reported (reports are 250 ms
         # apart; under a closed loop the one that looks free now is the next to queue)
@@ -251,7 +266,8 @@ class KvCostPolicy(Policy):
                         predicted_queue_s=best_pred.queue_s, predicted_ttft_s=best_pred.ttft_s,
                         cold_prefill_s=model.prefill_s(request.prompt_tokens, request.media_tokens))
 
-    def _shortlist(self, candidates: Sequence[Worker], depths: dict[str, int]) -> Sequence[Worker]:
+    def _shortlist(self, candidates: Sequence[Worker], depths: dict[str, int],
+                   excluded: Collection[str] = ()) -> Sequence[Worker]:
         n = len(candidates)
         if n <= SHORTLIST_ABOVE:
             return candidates
@@ -270,17 +286,22 @@ class KvCostPolicy(Policy):
             bits = n.bit_length()
             chosen: set[int] = set()
             pool: dict[int, Worker] = {}
-            while len(chosen) < SHORTLIST:
+            while len(pool) < SHORTLIST:
                 j = getrandbits(bits)
                 if j >= n or j in chosen:
                     continue
                 chosen.add(j)
                 w = candidates[j]
+                if excluded and w.worker_id in excluded:
+                    continue  # uniform over the others all the same
                 pool[id(w)] = w
         else:
-            pool = {id(w): w for w in rng.sample(candidates, SHORTLIST)}
+            untried = [w for w in candidates if w.worker_id not in excluded] if excluded else candidates
+            pool = {id(w): w for w in rng.sample(untried, SHORTLIST)}
         by_id = self._by_id
         for wid in depths:
+            if excluded and wid in excluded:
+                continue
             holder = by_id.get(wid)
             if holder is not None:
                 pool[id(holder)] = holder

@@ -266,3 +266,20 @@ def test_the_load_order_stays_true_through_dispatcher_begin_end_and_reports_with
 class _FleetView:
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
+
+
+def test_kv_cost_retries_draw_from_the_roster_and_never_pick_or_score_a_tried_worker():
+    fleet = Fleet(120, 13)
+    kv_cost = make_policy("kv_cost", fleet.deps)
+    rng = random.Random(13)
+    fleet.churn(300)
+    picked = Counter()
+    for i in range(300):
+        request = chat(i, rng.choice(SYSTEMS) if i % 2 else None)
+        tried = {f"w{rng.randrange(120)}" for _ in range(rng.randint(1, 4))}
+        candidates = fleet.candidates(request, tried)
+        decision = kv_cost.select_from(candidates, request, fleet.clock.now)
+        assert decision.worker.worker_id not in tried and not tried & set(decision.scores or {})
+        assert len(decision.scores or {}) >= 8
+        picked[decision.worker.worker_id] += 1
+    assert len(picked) > 30  # a random shortlist per decision: spread over the fleet, not a fixed few
