@@ -123,8 +123,7 @@ class Journey:
         last_failure: Retryable | None = None
         last_worker: Worker | None = None
         for attempt in range(retries + 1):
-            watch.picking()
-            decision = await dispatcher.pick(policy, routed, served, tried, first_attempt=attempt == 0)
+            decision = await watch.picking(dispatcher.pick(policy, routed, served, tried, first_attempt=attempt == 0))
             if decision is None:
                 break
             worker = decision.worker

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Protocol
+import types
+from collections.abc import Awaitable, Generator
+from typing import Any, Protocol, TypeVar
 
 from proxy.observability.accesslog import AccessLog
 from proxy.observability.decision import ADMIN_TOKEN_HEADER, DEBUG_HEADER, DebugGate, explain, wants_debug
@@ -17,8 +19,7 @@ from proxy.observability.tracing import TRACEPARENT, RequestTrace, Tracing, trac
 
 log = logging.getLogger("kvroute.observability")
 
-# A pick that took this long was held in admission (an unheld pick is arithmetic: microseconds).
-HELD_S = 0.001
+T = TypeVar("T")
 _NONE: frozenset[bytes] = frozenset()
 _TRACE_HEADERS = frozenset((TRACEPARENT,))
 
@@ -35,7 +36,7 @@ class RequestWatch:
 
     __slots__ = ("observer", "rid", "started", "trace", "debug", "replaces", "model", "worker", "policy",
                  "reason", "status", "error", "first_byte_at", "attempts", "stream", "client", "pick_started",
-                 "migrations")
+                 "held", "migrations")
 
     def __init__(self, observer: Observer, rid: str, started: float, trace: RequestTrace | None,
                  debug: bool) -> None:
@@ -57,6 +58,7 @@ class RequestWatch:
         self.stream: bool | None = None
         self.client: str | None = None
         self.pick_started = 0.0
+        self.held = False
         self.migrations = 0
 
     def parsed(self, model: str, stream: bool, principal: Any, prompt_tokens: int | None = None) -> None:
@@ -68,8 +70,14 @@ class RequestWatch:
             self.trace.event("parsed", {"kvroute.model": model, "kvroute.stream": stream,
                                         **({"kvroute.prompt_tokens": prompt_tokens} if prompt_tokens else {})})
 
-    def picking(self) -> None:
+    def picking(self, pick: Awaitable[T]) -> Awaitable[T]:
+        """`await watch.picking(dispatcher.pick(...))`: the pick, timed when traced, and whether admission held
+        it (the pick suspended) for a `queue` span. Untraced: `pick` itself."""
+        if self.trace is None:
+            return pick
         self.pick_started = time.monotonic()
+        self.held = False
+        return _suspends(pick, self)
 
     def decided(self, worker_id: str, reason: str, scores: dict[str, float] | None, policy: str) -> bytes:
         """A worker was picked; the `x-kvroute-decision` header line for the response when an admin asked."""
@@ -77,8 +85,7 @@ class RequestWatch:
         trace = self.trace
         if trace is not None:
             now = time.monotonic()
-            trace.route(self.pick_started or now, now, worker_id, reason, policy, scores,
-                        now - self.pick_started >= HELD_S if self.pick_started else False)
+            trace.route(self.pick_started or now, now, worker_id, reason, policy, scores, self.held)
         if self.debug:
             return explain(policy, reason, worker_id, scores, self.attempts + 1)
         return b""
@@ -145,6 +152,34 @@ class RequestWatch:
                           "error": self.error, "ttft_ms": ttft_ms, "total_ms": total_ms,
                           "retries": max(0, self.attempts - 1), "migrations": self.migrations, "stream": self.stream,
                           "client": self.client})
+
+
+@types.coroutine
+def _suspends(pick: Awaitable[T], watch: RequestWatch) -> Generator[Any, Any, T]:
+    """Await `pick` as `yield from` would, noting whether it suspended at all: admission answers at once unless
+    it holds the request (a time threshold would call a slow pick on a busy machine held)."""
+    steps = pick.__await__()
+    try:
+        pending = steps.send(None)
+    except StopIteration as done:
+        return done.value
+    watch.held = True
+    while True:
+        try:
+            sent = yield pending
+        except GeneratorExit:
+            steps.close()
+            raise
+        except BaseException as exc:  # cancellation: into the pick, as `yield from` would
+            try:
+                pending = steps.throw(exc)
+            except StopIteration as done:
+                return done.value
+        else:
+            try:
+                pending = steps.send(sent)
+            except StopIteration as done:
+                return done.value
 
 
 class Observer:

@@ -204,3 +204,57 @@ def test_the_hand_written_otlp_encoding_is_what_the_sdk_encodes():
     for _ in range(2):
         assert ExportTraceServiceRequest.FromString(encode_request([trace], cache)) == expected
     assert cache
+
+
+async def test_a_pick_that_waits_is_marked_held_and_one_that_does_not_is_not():
+    import asyncio
+
+    from proxy.observability.decision import DebugGate
+    from proxy.observability.watch import Observer
+
+    tracing, exporter = _tracing()
+    observer = Observer(tracing, None, DebugGate(None, False))
+
+    class Req:
+        started = time.monotonic()
+        principal = None
+
+        def header(self, name: bytes) -> bytes | None:
+            return None
+
+    async def at_once() -> str:
+        return "now"
+
+    async def held() -> str:
+        await asyncio.sleep(0)  # admission parks the request until a worker frees
+        return "later"
+
+    for pick, was_held in ((at_once, False), (held, True)):
+        watch = observer.watch(Req(), b"127.0.0.1", "r")
+        assert await watch.picking(pick()) in ("now", "later")
+        assert watch.held is was_held
+        watch.decided("w-0", "lowest_cost", None, "kv_aware")
+        watch.finish()
+    names = [s.name for s in exporter.get_finished_spans()]
+    assert names.count("queue") == 1 and names.count("route") == 2
+
+    # a pick cancelled while held is cancelled inside, as a plain await would do
+    watch = observer.watch(Req(), b"127.0.0.1", "r")
+    cancelled = []
+
+    async def parked() -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def pick_then_await():
+        return await watch.picking(parked())
+
+    task = asyncio.ensure_future(pick_then_await())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cancelled == [True]
