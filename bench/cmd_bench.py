@@ -19,6 +19,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
                                    "workers with live reports and shared prefixes, p50/p99"),
     "chaos": ("bench.chaos", "issue 12's chaos run: SIGKILLs with restarts, SIGSTOP stalls, a 5xx worker and "
                              "(--state redis) a Redis restart under load; failures by kind, in-flight, fds, RSS"),
+    "tracing": ("bench.tracing_cost", "CPU per request with the access log and OpenTelemetry tracing off and on"),
     "peers": ("bench.peers", "install vllm-router, sglang-router and LMDeploy's proxy into bench/.peers/"),
 }
 

@@ -3,7 +3,8 @@
 Owns three kvroute variants on the same sim workers, run one after another and repeated: `quiet` (log
 level warning: no access log, no tracing), `access-log` (log level info: one JSON line per request) and
 `tracing` (access log and OTLP spans to a collector in this process that accepts and drops them).
-`python -m bench.tracing_cost [--requests N] [--repeats R]`; prints a table, writes nothing.
+`kvroute bench tracing [--requests N] [--repeats R] [--micro N]` (or `python -m bench.tracing_cost`); prints
+a table, writes nothing.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def micro(n: int) -> None:
         for req in reqs:
             watch = observer.watch(req, b"127.0.0.1", "r-1")
             watch.parsed("m", False, None, 120)
-            watch.picking()
+            _run_now(watch.picking(_pick_now()))
             watch.decided("sim-1", "lowest_cost", scores, "kv_aware")
             watch.upstream("sim-1", "http://127.0.0.1:1")
             watch.attempt_ended(outcome)
@@ -159,15 +160,36 @@ def micro(n: int) -> None:
     os.unlink(log_path)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+async def _pick_now() -> None:
+    """A pick that admission answers at once (no holding)."""
+    return None
+
+
+def _run_now(awaitable) -> None:
+    """Drive an awaitable that does not suspend to its end, without a loop."""
+    try:
+        awaitable.send(None)
+    except StopIteration:
+        return
+    raise RuntimeError("the pick suspended")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro", type=int, default=0, metavar="N",
                    help="only the in-process measurement of the observability calls, N requests per variant")
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workers", type=int, default=4)
-    args = p.parse_args()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args())
+
+
+def run(args: argparse.Namespace) -> int:
     if args.micro:
         print("| variant | CPU us/request |\n|---|---|")
         micro(args.micro)
