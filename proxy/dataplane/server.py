@@ -461,11 +461,14 @@ class ClientConnection(asyncio.Protocol):
         if req.kind is not None and self.plane.shutting_down:
             self.keep_alive = False
             self.write(self.plane.shutting_down_response)
+            self.plane.journey.observer.refused(req, 503, "shutting_down")
             self.response_done()
             return
         if req.refusal is not None and req.refusal_direct:
             self.keep_alive = False
             self.write(http.error_response(req.refusal, {}, False))
+            if req.kind is not None:  # a completion refused on its head (401, 413, 431, 408...): logged too
+                self.plane.journey.observer.refused(req, req.refusal.status, req.refusal.code)
             self.response_done()
             return
         plane = self.plane

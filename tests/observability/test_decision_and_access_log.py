@@ -93,10 +93,16 @@ def test_an_admin_reads_why_and_every_request_leaves_one_json_line(fleet, procs)
                               json={**CHAT, "model": "nope"})
     assert missing.status_code == 404
 
-    lines = wait_until(lambda: (lambda ls: ls if len(ls) >= 4 else None)(_access_lines(proxy)), 10, 0.05,
-                       "four access-log lines")
+    # A wrong key: refused on the request's head, before its body is read; logged as well.
+    refused = fleet.http.post(fleet.url + "/v1/chat/completions", json=CHAT,
+                              headers={"Authorization": "Bearer sk-wrong", "x-request-id": "req-401"})
+    assert refused.status_code == 401
+
+    lines = wait_until(lambda: (lambda ls: ls if len(ls) >= 5 else None)(_access_lines(proxy)), 10, 0.05,
+                       "five access-log lines")
     by_id = {line["request_id"]: line for line in lines}
-    assert len(lines) == 4 and set(by_id) == {"req-plain", "req-wrong", "req-debug", "req-404"}
+    assert len(lines) == 5 and set(by_id) == {"req-plain", "req-wrong", "req-debug", "req-404", "req-401"}
+    assert (by_id["req-401"]["status"], by_id["req-401"]["error"]) == (401, "invalid_api_key")
     ok = by_id["req-debug"]
     assert set(ok) >= {"ts", "request_id", "model", "worker", "policy", "status", "ttft_ms", "total_ms", "retries",
                        "migrations", "stream", "client"}
@@ -106,7 +112,7 @@ def test_an_admin_reads_why_and_every_request_leaves_one_json_line(fleet, procs)
     assert (by_id["req-404"]["status"], by_id["req-404"]["worker"]) == (404, None)
     # No secret in the proxy's log: neither the client's key nor the admin token.
     text = proxy.log()
-    assert CLIENT_KEY not in text and ADMIN not in text
+    assert CLIENT_KEY not in text and ADMIN not in text and "sk-wrong" not in text
 
 
 def test_the_decision_header_is_short_and_safe_at_any_fleet_size():
