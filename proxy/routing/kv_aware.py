@@ -130,17 +130,25 @@ class KvAwarePolicy(Policy):
             if wid not in depths and wid not in excluded:
                 shortlist.append(entry)
                 scores[wid] = entry[0]
-        best_key = min([h[2] for h in holders] + [shortlist[0][:2]] if shortlist else [h[2] for h in holders])
-        tied = [(w, cached) for w, cached, key in holders if key == best_key]
-        tied += [(e[3].worker, 0) for e in shortlist if e[:2] == best_key]
-        if len(shortlist) == SHORTLIST and shortlist[-1][:2] == best_key:
+        best_key = shortlist[0][:2] if shortlist else holders[0][2]
+        for holder in holders:
+            if holder[2] < best_key:
+                best_key = holder[2]
+        tied_holders = [(w, cached) for w, cached, key in holders if key == best_key] if holders else []
+        tied_short = 0  # the shortlist is sorted: its ties at the minimum are its first entries
+        for entry in shortlist:
+            if entry[0] != best_key[0] or entry[1] != best_key[1]:
+                break
+            tied_short += 1
+        tied = len(tied_holders) + tied_short
+        if tied_short == SHORTLIST:
             # the tie at the minimum may reach past the shortlist: pick among all of it, as select() would
-            best, best_cached = self._among_tied(roster, entries, best_key, tied[:len(tied) - SHORTLIST], depths,
-                                                 excluded)
-        elif len(tied) == 1:
-            best, best_cached = tied[0]
+            best, best_cached = self._among_tied(roster, entries, best_key, tied_holders, depths, excluded)
+        elif tied == 1:
+            best, best_cached = tied_holders[0] if tied_holders else (shortlist[0][3].worker, 0)
         else:  # ties: each of the tied workers equally likely
-            best, best_cached = tied[int(self.deps.rng.random() * len(tied))]
+            k = int(self.deps.rng.random() * tied)
+            best, best_cached = tied_holders[k] if k < len(tied_holders) else (shortlist[k - len(tied_holders)][3].worker, 0)
         if log.isEnabledFor(logging.DEBUG):
             scored = [w for w, _, _ in holders] + [e[3].worker for e in shortlist]
             log.debug("model=%s prompt_tokens=%d scored %d of %d candidates: %s -> %s (cached %d tokens)",
