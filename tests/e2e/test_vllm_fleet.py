@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import importlib.util
 import io
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -218,12 +220,48 @@ async def test_unreachable_image_urls_get_a_4xx_each_and_valid_requests_meanwhil
     assert {w["state"] for w in view.values()} == {"ready"} and not any(w["breaker_open"] for w in view.values())
 
 
+def test_a_stream_whose_engine_is_killed_mid_stream_completes_on_the_other_as_one_stream(fleet):
+    # Runs before the kill test below and kills the same engine (vllm-a's), mid-stream: that test then
+    # checks what follows (the supervisor reports it failed, traffic moves to vllm-b).
+    supervisor, port = fleet.workers["vllm-a"]
+    body = {"model": MODEL, "max_tokens": 200, "ignore_eos": True, "stream": True,
+            # continuous usage: every chunk says how many tokens so far (the proxy then counts exactly)
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.Client(base_url=fleet.proxy_url, timeout=120) as http, contextlib.ExitStack() as held:
+        # kv_aware sends a stream where the load is lowest: open streams until one runs on vllm-a
+        for i in range(6):
+            resp = held.enter_context(http.stream("POST", "/v1/chat/completions", json={
+                **body, "messages": [{"role": "user", "content": f"Write a long letter, number {i}."}]}))
+            assert resp.status_code == 200
+            if resp.headers["x-kvroute-worker"] == "vllm-a":
+                break
+        else:
+            pytest.fail("no stream was routed to vllm-a")
+        raw, killed = b"", False
+        for piece in resp.iter_raw():
+            raw += piece
+            if not killed and raw.count(b"\n\n") >= 20:
+                os.kill(engine_pid(port), signal.SIGKILL)
+                killed = True
+    assert killed
+    events = [e[len(b"data: "):] for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not any("error" in c for c in chunks), chunks[-2:]
+    assert len({c["id"] for c in chunks}) == 1 and {c["model"] for c in chunks} == {MODEL}
+    assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("role")) == 1
+    running = [c["usage"]["completion_tokens"] for c in chunks if c["choices"] and c.get("usage")]
+    assert running == sorted(running) and len(set(running)) == len(running)  # no token counted twice
+    assert chunks[-1]["usage"]["completion_tokens"] == 200  # exactly max_tokens, across both engines
+    assert supervisor.popen.wait(60) == 1  # vllm-a's engine really died under the stream
+
+
 def test_killed_engine_is_reported_failed_and_traffic_moves_to_the_other(fleet):
     victim, survivor = "vllm-a", "vllm-b"
     supervisor, port = fleet.workers[victim]
     pid = engine_pid(port)
-    assert pid is not None, "could not find the vLLM API server process"
-    os.kill(pid, signal.SIGKILL)
+    if pid is not None:  # else the migration test above killed it mid-stream
+        os.kill(pid, signal.SIGKILL)
 
     assert supervisor.popen.wait(60) == 1  # the supervisor noticed, reported, stopped, exited non-zero
     assert "reported state 'failed'" in supervisor.log()
