@@ -272,6 +272,7 @@ class Registry:
         worker.probe_failed = False
         if reading is not None:
             worker.load.record_reading(reading, self.clock(), "metrics")
+            worker.stalled_at = None  # its engine answers again: the fresh report of a worker that sends none
         self._state_may_change(worker, before)
         self.notify_changed()
 

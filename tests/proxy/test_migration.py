@@ -243,3 +243,28 @@ def test_the_sim_continues_a_final_assistant_message_like_vllm():
         with pytest.raises(ApiError) as refused:
             parse_request(body, "chat", "m", 4096, 0)
         assert refused.value.status == 400 and refused.value.message == message
+
+
+def test_a_stalled_worker_gets_no_new_work_until_a_fresh_report():
+    from proxy.protocol import LoadReport, WorkerRegistration
+    from proxy.registry import Registry, WorkerState
+
+    now = [100.0]
+    registry = Registry(clock=lambda: now[0])
+    for worker_id in ("a", "b"):
+        registry.register(WorkerRegistration(worker_id=worker_id, url=f"http://{worker_id}:1", models=["m"]))
+
+    def report(worker_id: str, seq: int) -> None:
+        registry.record_report(worker_id, LoadReport(
+            worker_id=worker_id, url=f"http://{worker_id}:1", models=["m"], kv_cache_usage=0.1,
+            kv_capacity_tokens=1000, num_running=1, num_waiting=0, seq=seq, state="ready"))
+
+    report("a", 1), report("b", 1)
+    a = registry.get("a")
+    registry.mark_stalled(a, "stalled: nothing for 2.0s")
+    assert a.state(now[0]) is WorkerState.UNHEALTHY and a.to_json(now[0])["stalled"]
+    assert [w.worker_id for w in registry.candidates("m")] == ["b"]
+    now[0] += 0.5
+    report("a", 2)  # it sends again: back in the routing set
+    assert a.state(now[0]) is WorkerState.READY
+    assert sorted(w.worker_id for w in registry.candidates("m")) == ["a", "b"]
