@@ -37,7 +37,7 @@ up: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 --dist loadgroup
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -20,6 +20,20 @@ def procs(tmp_path, request) -> Iterator[ProcessGroup]:
     group.stop_all()
 
 
+# Tests that must not run beside each other under `pytest -n` (make test runs two xdist workers, --dist
+# loadgroup): network namespaces share one bridge and address range, and a Ray cluster or a second real
+# vLLM next to them starves both on two cores. Every other test is grouped by its file, so a module's
+# fixture (a real vLLM fleet, say) is built once, on one worker.
+EXCLUSIVE = ("tests/multihost/", "tests/e2e/", "tests/fleet/test_ray.py")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        group = "exclusive" if path.startswith(EXCLUSIVE) else path
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item, call):
     rep = yield

@@ -50,7 +50,7 @@ def _listening_or_dead(head, port: int) -> bool:
 def ray_cluster(procs, monkeypatch):
     """A one-node Ray cluster with 4 `fake_gpu`, every port free-picked; stopped by PID at the end."""
     if not Path(RAY).exists():
-        pytest.skip("ray is not installed (the `ray` extra)")
+        pytest.fail("ray is not installed: run `make test` (it installs the `ray` extra)")
     # Ray swaps 127.0.0.1 for the machine's network address unless clusters are "unsupported" (its
     # single-machine mode, as on macOS); tests keep all traffic, Ray's own included, on loopback.
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
