@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -133,9 +134,16 @@ class Exchange:
     # --- the awaitable side ------------------------------------------------------------------
     async def send(self, pool: UpstreamPool, endpoint: Endpoint, request: bytes) -> Retryable | Relayed:
         loop = self.loop
-        self.first_byte_deadline = loop.time() + self.timeouts.first_byte_s
-        total_s = self.timeouts.total_s
-        self.total_deadline = loop.time() + total_s if total_s is not None and self.mode == WHOLE else None
+        now = loop.time()
+        if self.mode == WHOLE:
+            # vLLM sends a non-streamed answer's head only once the answer is complete: its one deadline is
+            # timeouts.total_s (None: none), never first_byte_s, which is for streams.
+            total_s = self.timeouts.total_s
+            self.total_deadline = now + total_s if total_s is not None else None
+            self.first_byte_deadline = self.total_deadline if self.total_deadline is not None else math.inf
+        else:
+            self.total_deadline = None
+            self.first_byte_deadline = now + self.timeouts.first_byte_s
         for _ in range(2):  # a second time only when a pooled connection turned out to be closed
             try:
                 conn = await pool.acquire(endpoint, min(self.timeouts.connect_s,
@@ -149,7 +157,8 @@ class Exchange:
             self.client.exchange = self
             self.parser = HttpResponseParser(self)
             conn.transport.write(request)
-            self._arm(self.first_byte_deadline)
+            if self.first_byte_deadline != math.inf:
+                self._arm(self.first_byte_deadline)
             pulse = self.pulse
             if pulse is not None:
                 pulse.join(self)
@@ -328,7 +337,7 @@ class Exchange:
             self.client.transport.abort()
             self.future.set_result(Relayed(self.status, self.first_byte_at, client_gone=True))
         else:
-            if state in (_HEAD, _FIRST):
+            if state in (_HEAD, _FIRST) and self.total_deadline is None:
                 self._fail(True, f"no answer within {self.timeouts.first_byte_s}s")
             elif self._past_total():
                 self._fail(True, f"no whole answer within {self.timeouts.total_s}s")
