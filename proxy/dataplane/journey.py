@@ -122,8 +122,9 @@ class Journey:
         statuses: list[int] = []
         last_failure: Retryable | None = None
         last_worker: Worker | None = None
-        for attempt in range(retries + 1):
-            decision = await watch.picking(dispatcher.pick(policy, routed, served, tried, first_attempt=attempt == 0))
+        attempt = free = 0
+        while attempt <= retries:
+            decision = await watch.picking(dispatcher.pick(policy, routed, served, tried, first_attempt=not tried))
             if decision is None:
                 break
             worker = decision.worker
@@ -153,7 +154,10 @@ class Journey:
                 self.stalls.forget_idle(pulse)
             if isinstance(outcome, Retryable):
                 last_failure, last_worker = outcome, worker
-                verdict = classify(_attempt(outcome), attempt + 1, retries + 1, statuses)
+                # A worker that could not be reached or was stalled ran nothing for the client: moving on from it
+                # costs no retry (bounded: the tried set grows, and at most _FREE_MOVES of them).
+                moved = retries > 0 and outcome.reason in _FREE_REASONS and free < _FREE_MOVES
+                verdict = classify(_attempt(outcome), 1 if moved else attempt + 1, retries + 1, statuses)
                 if outcome.status is not None:
                     statuses.append(outcome.status)
                 if verdict.counts_against_worker and self.registry.record_failure(worker, outcome.detail):
@@ -166,6 +170,10 @@ class Journey:
                         metrics.migrations.labels(served, "restarted").inc()
                     if verdict.delay_s:
                         await asyncio.sleep(verdict.delay_s)
+                    if moved:
+                        free += 1
+                    else:
+                        attempt += 1
                     continue
                 self._answer_failure(client, served, verdict, outcome, worker, rid, watch)
                 return
@@ -321,6 +329,9 @@ class Journey:
                          code="no_healthy_worker", headers={"Retry-After": "1"})
 
 
+# Failures that ran nothing for the client (unreachable or stalled worker): moving on costs no retry.
+_FREE_REASONS = frozenset({"connect_error", "stalled"})
+_FREE_MOVES = 8
 # Failures of a non-streamed request while its worker was generating: it starts again on another worker.
 _RESTARTED = frozenset({"broken_body", "stalled", "connection_lost", "broken_before_first_chunk"})
 

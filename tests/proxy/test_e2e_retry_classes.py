@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.proxy.fleet import FakeReports
 from tests.support.procs import free_port, wait_http_ok
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,3 +49,18 @@ def test_unreachable_image_urls_get_a_400_each_and_valid_requests_meanwhile_are_
     assert sum(httpx.get(url + "/hits").json()["media_failures"] for url in engines) == 8
     assert {w["state"] for w in fleet.workers()} == {"ready"}
     assert not any(w["breaker_open"] for w in fleet.workers())
+
+
+def test_workers_that_refuse_connections_cost_no_retry_while_a_live_one_remains(fleet):
+    """Three of four registered workers are gone (connection refused) and `retries: 1`: moving past a worker
+    that ran nothing is free, so every request reaches the live one instead of 503 after two dead picks."""
+    fleet.start_proxy(config="proxy:\n  retries: 1\n  policy: round_robin\n")
+    (live,) = fleet.start_sims(1, prefix="live")
+    dead = {f"dead-{i}": f"http://127.0.0.1:{free_port()}" for i in range(3)}  # nothing listens there
+    for worker_id, url in dead.items():
+        fleet.register(worker_id, url)
+    with FakeReports(fleet, {worker_id: (url, 0.0) for worker_id, url in dead.items()}):
+        fleet.wait_workers(lambda ws: sum(w["state"] == "ready" for w in ws) == 4, what="4 workers ready")
+        responses = [fleet.chat(f"q{i}") for i in range(8)]
+    assert [r.status_code for r in responses] == [200] * 8, [r.text for r in responses if r.status_code != 200]
+    assert {r.headers["x-kvroute-worker"] for r in responses} == {live.worker_id}
