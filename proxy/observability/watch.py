@@ -224,6 +224,8 @@ class Observer:
                       "stream": None, "client": None})
 
     def close(self) -> None:
-        """Export what is still queued (blocking: run it off the loop)."""
+        """Write the access lines and export the spans still queued (blocking: run it off the loop)."""
+        if self.access_log is not None:
+            self.access_log.flush()
         if self.tracing is not None:
             self.tracing.shutdown()
