@@ -23,6 +23,9 @@ _STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice"
                "structured_outputs")
 # One SSE event larger than this is not an answer chunk: the stream is treated as broken.
 MAX_EVENT_BYTES = 4 * 1024 * 1024
+# Relayed events held unread up to this many bytes per stream (~600 of vLLM's chunks), then read in one go:
+# most answers are never read at all; a long one pays orjson's parse once per chunk, in batches.
+COMPACT_BYTES = 128 * 1024
 
 
 def refusal(payload: dict[str, Any], kind: str) -> str | None:
@@ -106,40 +109,69 @@ class StreamTracker:
     """One client's SSE stream across the workers that serve it: what reached the client, and the rewriting
     of a continuation's events into the first stream's (same id, created, model; usage of the whole answer).
 
-    Only whole events are passed on; at most one partial event is held (dropped if its worker dies)."""
+    Only whole events are passed on; at most one partial event is held (dropped if its worker dies). A first
+    stream's events are read lazily: once its first chunk is read, relayed events are kept as bytes and read
+    (in one JSON parse per batch) only when a migration asks what reached the client, or every COMPACT_BYTES
+    to bound what is held. An event that may be an error, or an unusual [DONE], is read at once."""
 
-    __slots__ = ("chat", "include_usage", "partial", "texts", "tokens", "base", "prompt_tokens", "id", "created",
-                 "model", "continuation", "finished", "done", "broken", "blocker", "framing", "migrations",
-                 "passthrough")
+    __slots__ = ("chat", "include_usage", "partial", "texts", "_tokens", "base", "_prompt_tokens", "id", "created",
+                 "model", "continuation", "_finished", "done", "broken", "_blocker", "framing", "migrations",
+                 "passthrough", "lazy", "unread", "unread_bytes")
 
     def __init__(self, chat: bool, include_usage: bool) -> None:
         self.chat = chat
         self.include_usage = include_usage
         self.partial = b""
         self.texts: list[str] = []
-        self.tokens = 0            # completion tokens the client has got (all workers)
+        self._tokens = 0           # completion tokens the client has got (all workers)
         self.base = 0              # of which those sent before the current worker took over
-        self.prompt_tokens: int | None = None  # the original request's, once a chunk said it
+        self._prompt_tokens: int | None = None  # the original request's, once a chunk said it
         self.id: Any = None
         self.created: Any = None
         self.model: Any = None
         self.continuation = False  # the current worker continues another's generation
-        self.finished = False      # a finish_reason reached the client
+        self._finished = False     # a finish_reason reached the client
         self.done = False          # data: [DONE] reached the client
         self.broken: str | None = None   # the current worker's stream cannot be read on
-        self.blocker: str | None = None  # seen in the stream: what makes it impossible to continue
+        self._blocker: str | None = None  # seen in the stream: what makes it impossible to continue
         self.framing = 0           # the client body's framing (exchange.py's _CHUNKED / _CLOSE)
         self.migrations = 0
         self.passthrough = False   # not an OpenAI chunk stream: relayed as bytes, no longer read
+        self.lazy = False          # the first chunk was read: later events wait in `unread`
+        self.unread: list[bytes] = []  # whole events relayed but not read yet
+        self.unread_bytes = 0
 
+    # What reached the client; each reads what is unread first.
     @property
     def text(self) -> str:
+        self._catch_up()
         return "".join(self.texts)
+
+    @property
+    def tokens(self) -> int:
+        self._catch_up()
+        return self._tokens
+
+    @property
+    def finished(self) -> bool:
+        self._catch_up()
+        return self._finished
+
+    @property
+    def blocker(self) -> str | None:
+        self._catch_up()
+        return self._blocker
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        self._catch_up()
+        return self._prompt_tokens
 
     def begin_continuation(self) -> None:
         """The next bytes come from a worker continuing the generation."""
+        self._catch_up()
         self.partial = b""
-        self.base = self.tokens
+        self.base = self._tokens
         self.continuation = True
         self.broken = None
         self.migrations += 1
@@ -160,9 +192,26 @@ class StreamTracker:
                 self.broken = "an SSE event larger than any answer chunk"
             return b""
         whole, self.partial = buf[:end + 2], buf[end + 2:]
-        events = whole.split(b"\n\n")
-        events.pop()  # the empty piece after the last separator
         if not self.continuation:
+            if self.lazy and b'"error"' not in whole:
+                if b"[DONE]" not in whole:
+                    self.unread.append(whole)
+                    self.unread_bytes += len(whole)
+                    if self.unread_bytes >= COMPACT_BYTES:
+                        self._catch_up()
+                    return whole
+                if whole.endswith(b"data: [DONE]\n\n") and whole.count(b"[DONE]") == 1:
+                    self.done = True
+                    if len(whole) > 14:
+                        self.unread.append(whole[:-14])
+                        self.unread_bytes += len(whole) - 14
+                    return whole
+            self._catch_up()
+            if self.passthrough:  # what was unread was not a chunk stream after all
+                partial, self.partial = self.partial, b""
+                return whole + partial
+            events = whole.split(b"\n\n")
+            events.pop()  # the empty piece after the last separator
             for i, event in enumerate(events):
                 if self._read(event) is None:  # broken: pass on what came before it
                     return b"".join(e + b"\n\n" for e in events[:i])
@@ -170,6 +219,8 @@ class StreamTracker:
                     partial, self.partial = self.partial, b""
                     return whole + partial
             return whole
+        events = whole.split(b"\n\n")
+        events.pop()
         out = []
         for event in events:
             rewritten = self._read(event)
@@ -178,6 +229,36 @@ class StreamTracker:
             if rewritten:
                 out.append(rewritten)
         return b"".join(out)
+
+    def _catch_up(self) -> None:
+        """Read the events relayed unread: as one JSON array when each is a plain `data: {...}` event (vLLM's
+        and the sim's), else one by one. Something unreadable among them was relayed already: the stream
+        can no longer be continued, and is not read further."""
+        unread = self.unread
+        if not unread:
+            return
+        self.unread = []
+        self.unread_bytes = 0
+        batch = unread[0] if len(unread) == 1 else b"".join(unread)
+        chunks = _plain_events(batch)
+        if chunks is not None:
+            for obj in chunks:
+                if not isinstance(obj, dict) or "error" in obj:
+                    break
+                self._take(obj)
+            else:
+                return
+            self._blocker, self.passthrough = "an unreadable stream event", True
+            return
+        events = batch.split(b"\n\n")
+        events.pop()
+        for event in events:
+            if self._read(event) is None:
+                self.broken = None  # relayed already: not this worker's failure, but no continuing after it
+                self._blocker, self.passthrough = "an unreadable stream event", True
+                return
+            if self.passthrough:
+                return
 
     def _read(self, event: bytes) -> bytes | None:
         """Record one event; what to send for it (b"": nothing), or None when the stream is broken."""
@@ -200,12 +281,18 @@ class StreamTracker:
             if self.continuation:
                 self.broken = "an unreadable stream event"
                 return None
-            self.blocker = "not an OpenAI chunk stream"
+            self._blocker = "not an OpenAI chunk stream"
             self.passthrough = True
             return b""
         if not isinstance(obj, dict) or "error" in obj:
             self.broken = "an error event in the stream"
             return None
+        if not self.continuation:
+            self.lazy = True  # a chunk stream: later events may wait until asked for
+        return self._take(obj)
+
+    def _take(self, obj: dict[str, Any]) -> bytes:
+        """Record one chunk; what to send for it (b"": nothing, or the chunk as relayed)."""
         choices = obj.get("choices")
         usage = obj.get("usage")
         if self.id is None and not self.continuation:
@@ -214,16 +301,16 @@ class StreamTracker:
         if choices:
             choice = choices[0] if isinstance(choices, list) and isinstance(choices[0], dict) else {}
             if len(choices) != 1:
-                self.blocker = "n>1"
+                self._blocker = "n>1"
             if choice.get("logprobs") is not None:
-                self.blocker = "logprobs"
+                self._blocker = "logprobs"
             if self.chat:
                 delta = choice.get("delta") or {}
                 if len(delta) > 1 or "content" not in delta:  # anything but plain content: look closer
                     if delta.get("tool_calls") or delta.get("function_call"):
-                        self.blocker = "tools"
+                        self._blocker = "tools"
                     if delta.get("reasoning_content") or delta.get("reasoning"):
-                        self.blocker = "reasoning"
+                        self._blocker = "reasoning"
                     role_only = "role" in delta and not delta.get("content") and choice.get("finish_reason") is None
                 content = delta.get("content")
             else:
@@ -232,14 +319,14 @@ class StreamTracker:
                 if isinstance(content, str) and content:
                     self.texts.append(content)
                 if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                    self.tokens = self.base + usage["completion_tokens"]  # continuous_usage_stats: exact
+                    self._tokens = self.base + usage["completion_tokens"]  # continuous_usage_stats: exact
                 else:
-                    self.tokens += 1  # vLLM and the sim stream one token per chunk
+                    self._tokens += 1  # vLLM and the sim stream one token per chunk
                 if choice.get("finish_reason") is not None:
-                    self.finished = True
-        if isinstance(usage, dict) and not self.continuation and self.prompt_tokens is None:
+                    self._finished = True
+        if isinstance(usage, dict) and not self.continuation and self._prompt_tokens is None:
             if isinstance(usage.get("prompt_tokens"), int):
-                self.prompt_tokens = usage["prompt_tokens"]
+                self._prompt_tokens = usage["prompt_tokens"]
         if not self.continuation:
             return b""  # passed on unchanged by feed()
         if role_only:
@@ -255,8 +342,8 @@ class StreamTracker:
         if isinstance(completion, int):
             usage["completion_tokens"] = completion + self.base
         prompt = usage.get("prompt_tokens")
-        if self.prompt_tokens is not None:
-            usage["prompt_tokens"] = self.prompt_tokens
+        if self._prompt_tokens is not None:
+            usage["prompt_tokens"] = self._prompt_tokens
         elif isinstance(prompt, int):
             # the continuation's prompt is the original's plus the text so far (as many tokens, near enough)
             usage["prompt_tokens"] = max(0, prompt - self.base)
@@ -269,6 +356,7 @@ class StreamTracker:
 
     def closing(self) -> bytes:
         """The end of a stream whose answer was complete when its worker failed (finish_reason sent)."""
+        self._catch_up()
         out = b""
         if self.include_usage and self.prompt_tokens is not None:
             usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
@@ -277,3 +365,16 @@ class StreamTracker:
                    "created": self.created, "model": self.model, "choices": [], "usage": usage}
             out = b"data: " + orjson.dumps(obj) + b"\n\n"
         return out + b"data: [DONE]\n\n"
+
+
+def _plain_events(batch: bytes) -> list[Any] | None:
+    """`data: {...}\\n\\n` events, each one line, parsed as one JSON array; None when they are not all so."""
+    events = batch.count(b"\n\n")
+    if (not events or batch.count(b"\n") != 2 * events or batch.count(b"data: ") != events
+            or not batch.startswith(b"data: ")):
+        return None
+    try:
+        parsed = orjson.loads(b"[" + batch[6:-2].replace(b"\n\ndata: ", b",") + b"]")
+    except orjson.JSONDecodeError:
+        return None
+    return parsed if len(parsed) == events else None
