@@ -184,6 +184,7 @@ class Journey:
                                                           worker, outcome, tried, common)
                 finally:
                     watch.migrations = tracker.migrations  # the access log's count
+                watch.worker = worker.worker_id  # the access log's: the worker that ended the stream
                 outcome.first_byte_at = first_byte_at  # the client's first byte, for its TTFT
             self._record(served, worker, outcome, req.started)
             return
@@ -220,7 +221,8 @@ class Journey:
             decision = None
             while refused is None and decision is None:
                 try:
-                    decision = await dispatcher.pick(policy, routed, served, tried, first_attempt=False)
+                    decision = await watch.picking(dispatcher.pick(policy, routed, served, tried,
+                                                                    first_attempt=False))
                 except ProxyError as exc:
                     refused = f"no worker took it ({exc.code})"
                     break
@@ -242,6 +244,7 @@ class Journey:
             nxt = decision.worker
             tried.add(nxt.worker_id)
             metrics.decisions.labels(policy.name, nxt.worker_id, "migration").inc()
+            watch.decided(nxt.worker_id, decision.reason, decision.scores, policy.name)  # its route span
             log.info("request %s: stream from %s broke (%s) after %d tokens; continuing on %s", rid,
                      worker.worker_id, reason, tracker.tokens, nxt.worker_id)
             body = migration.continuation_body(routed.payload, routed.kind, served, tracker.text, tracker.tokens)
