@@ -193,31 +193,27 @@ class StreamTracker:
             return b""
         whole, self.partial = buf[:end + 2], buf[end + 2:]
         if not self.continuation:
-            if self.lazy and b'"error"' not in whole:
-                if b"[DONE]" not in whole:
-                    self.unread.append(whole)
-                    self.unread_bytes += len(whole)
-                    if self.unread_bytes >= COMPACT_BYTES:
-                        self._catch_up()
-                    return whole
-                if whole.endswith(b"data: [DONE]\n\n") and whole.count(b"[DONE]") == 1:
-                    self.done = True
-                    if len(whole) > 14:
-                        self.unread.append(whole[:-14])
-                        self.unread_bytes += len(whole) - 14
-                    return whole
+            if self.lazy and self._defer(whole):
+                return whole
             self._catch_up()
             if self.passthrough:  # what was unread was not a chunk stream after all
                 partial, self.partial = self.partial, b""
                 return whole + partial
             events = whole.split(b"\n\n")
             events.pop()  # the empty piece after the last separator
+            read = 0
+            may_defer = not self.lazy
             for i, event in enumerate(events):
                 if self._read(event) is None:  # broken: pass on what came before it
                     return b"".join(e + b"\n\n" for e in events[:i])
                 if self.passthrough:  # from here on, bytes as they come
                     partial, self.partial = self.partial, b""
                     return whole + partial
+                read += len(event) + 2
+                if may_defer and self.lazy and read < len(whole):  # the first chunk is read: the rest may wait
+                    may_defer = False
+                    if self._defer(whole[read:]):
+                        return whole
             return whole
         events = whole.split(b"\n\n")
         events.pop()
@@ -229,6 +225,25 @@ class StreamTracker:
             if rewritten:
                 out.append(rewritten)
         return b"".join(out)
+
+    def _defer(self, whole: bytes) -> bool:
+        """Keep `whole` (events relayed to the client) unread, unless it may hold an error event or a [DONE]
+        that is not plainly the last event: False, and it is read now."""
+        if b'"error"' in whole:
+            return False
+        if b"[DONE]" in whole:
+            if not (whole.endswith(b"data: [DONE]\n\n") and whole.count(b"[DONE]") == 1
+                    and (len(whole) == 14 or whole[-16:-14] == b"\n\n")):
+                return False
+            self.done = True
+            whole = whole[:-14]
+            if not whole:
+                return True
+        self.unread.append(whole)
+        self.unread_bytes += len(whole)
+        if self.unread_bytes >= COMPACT_BYTES:
+            self._catch_up()
+        return True
 
     def _catch_up(self) -> None:
         """Read the events relayed unread: as one JSON array when each is a plain `data: {...}` event (vLLM's
