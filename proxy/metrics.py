@@ -7,6 +7,7 @@ removed worker's label sets; events are recorded by the layer where they happen 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -19,6 +20,39 @@ MAX_MODEL_LABELS = 64
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
+class _CachedLabels:
+    """`labels(*values)` answered from a dict of the children already made: prometheus_client takes a lock,
+    str()s and checks every value on each call, several times per request on the data plane."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._children: dict[tuple[Any, ...], Any] = {}
+        super().__init__(*args, **kwargs)
+
+    def labels(self, *values: Any, **named: Any) -> Any:
+        if named:
+            return super().labels(*values, **named)  # type: ignore[misc]
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = super().labels(*values)  # type: ignore[misc]
+        return child
+
+    def remove(self, *values: Any) -> None:
+        self._children.clear()  # keyed by the values as given, which may differ from their str()
+        super().remove(*values)  # type: ignore[misc]
+
+    def clear(self) -> None:
+        self._children.clear()
+        super().clear()  # type: ignore[misc]
+
+
+class CachedCounter(_CachedLabels, Counter):
+    pass
+
+
+class CachedHistogram(_CachedLabels, Histogram):
+    pass
+
+
 class ProxyMetrics:
     """Counters and histograms the request path updates, plus worker gauges computed on scrape."""
 
@@ -26,29 +60,29 @@ class ProxyMetrics:
         self._model_labels: set[str] = set()
         self.collector_registry = CollectorRegistry(auto_describe=False)
         r = self.collector_registry
-        self.requests = Counter("kvroute:requests", "Requests finished, by model, worker and status",
+        self.requests = CachedCounter("kvroute:requests", "Requests finished, by model, worker and status",
                                 ["model", "worker", "status"], registry=r)
-        self.latency = Histogram("kvroute:request_latency_seconds", "Request received -> response finished",
+        self.latency = CachedHistogram("kvroute:request_latency_seconds", "Request received -> response finished",
                                  ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("kvroute:time_to_first_byte_seconds",
+        self.ttft = CachedHistogram("kvroute:time_to_first_byte_seconds",
                               "Request received -> first response byte sent to the client (TTFT for streams)",
                               ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.decisions = Counter("kvroute:routing_decisions", "Routing decisions, by policy, worker and reason",
+        self.decisions = CachedCounter("kvroute:routing_decisions", "Routing decisions, by policy, worker and reason",
                                  ["policy", "worker", "reason"], registry=r)
-        self.retries = Counter("kvroute:retries", "Requests moved to another worker before the first byte",
+        self.retries = CachedCounter("kvroute:retries", "Requests moved to another worker before the first byte",
                                ["model", "reason"], registry=r)
-        self.rejections = Counter("kvroute:rejections", "Requests answered with an error by the proxy itself",
+        self.rejections = CachedCounter("kvroute:rejections", "Requests answered with an error by the proxy itself",
                                   ["model", "reason"], registry=r)
-        self.stream_failures = Counter("kvroute:stream_failures", "Streams a worker broke after the first byte",
+        self.stream_failures = CachedCounter("kvroute:stream_failures", "Streams a worker broke after the first byte",
                                        ["model", "worker"], registry=r)
-        self.migrations = Counter("kvroute:migrations", "Streams handed to another worker after their worker failed "
+        self.migrations = CachedCounter("kvroute:migrations", "Streams handed to another worker after their worker failed "
                                   "mid-stream (continued), ended with an error event (failed), and non-streamed "
                                   "requests started again elsewhere after their worker broke (restarted)",
                                   ["model", "outcome"], registry=r)
         r.register(_WorkerGauges(registry))
         # Worker ids churn (a new generation per restart): a removed worker's label sets go with it, or
         # /metrics would grow for as long as the proxy runs.
-        self._per_worker: tuple[tuple[Counter, tuple[str, ...]], ...] = (
+        self._per_worker: tuple[tuple[CachedCounter, tuple[str, ...]], ...] = (
             (self.requests, ("model", "worker", "status")), (self.decisions, ("policy", "worker", "reason")),
             (self.stream_failures, ("model", "worker")))
         registry.add_listener(self._on_registry_change)
