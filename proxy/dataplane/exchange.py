@@ -87,7 +87,7 @@ class Exchange:
                  "headers", "parts", "size", "out", "complete", "interim", "sse", "framing", "first_byte_at",
                  "last_activity", "first_byte_deadline", "timer", "got_head", "paused", "ends_clean",
                  "head_request", "close_delimited", "total_deadline", "keep_alive", "index", "held_head",
-                 "tracker", "resumed", "pulse", "stall_detail", "streaming")
+                 "tracker", "resumed", "pulse", "stall_detail", "streaming", "timer_at")
 
     def __init__(self, client: Client, mode: int, extra_headers: bytes, timeouts: Timeouts,
                  head_request: bool = False, tracker: StreamTracker | None = None, resumed: bool = False,
@@ -105,6 +105,7 @@ class Exchange:
         self.head_request = head_request
         self.conn: UpstreamConnection | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = 0.0
         self.total_deadline: float | None = None
         self._reset()
 
@@ -158,7 +159,8 @@ class Exchange:
             self.parser = HttpResponseParser(self)
             conn.transport.write(request)
             if self.first_byte_deadline != math.inf:
-                self._arm(self.first_byte_deadline)
+                # no later than the idle deadline after a first byte could be: that one then needs no timer of its own
+                self._arm(min(self.first_byte_deadline, loop.time() + self.timeouts.idle_s))
             pulse = self.pulse
             if pulse is not None:
                 pulse.join(self)
@@ -302,14 +304,18 @@ class Exchange:
 
     # --- deadlines: one timer, re-armed only when it fires early ----------------------------------
     def _arm(self, when: float) -> None:
+        self.timer_at = when
         self.timer = self.loop.call_at(when, self._on_timer)
 
     def _rearm_idle(self) -> None:
         """Leaving the first-byte phase: the idle deadline may come sooner than the armed timer."""
+        now = self.last_activity = self.loop.time()
+        deadline = now + self.timeouts.idle_s
         if self.timer is not None:
+            if self.timer_at <= deadline:  # it fires first and re-arms for what is then due
+                return
             self.timer.cancel()
-        self.last_activity = self.loop.time()
-        self._arm(self.last_activity + self.timeouts.idle_s)
+        self._arm(deadline)
 
     def _on_timer(self) -> None:
         self.timer = None

@@ -109,10 +109,10 @@ class Journey:
         policy = dispatcher.policies.for_model(served)
         body = routed.body_for_model(served)
         # Everything of the upstream head but the request line, Host and the worker's own key.
+        drop = _TO_WORKER_DROP | watch.replaces if watch.replaces else _TO_WORKER_DROP
+        named = http.connection_named(req.headers)
         common = b"".join((
-            http.filtered(req.headers, http.HOP_BY_HOP,
-                          http.connection_named(req.headers) | http.CLIENT_CREDENTIALS | http.TO_WORKER_REPLACED
-                          | watch.replaces),
+            http.filtered(req.headers, http.HOP_BY_HOP, drop | named if named else drop),
             b"x-request-id: ", rid.encode(), b"\r\nx-kvroute-via: ",
             via_chain(req.header(VIA_HEADER), self.instance_id),
             b"\r\nContent-Length: %d\r\n" % len(body)))
@@ -335,6 +335,9 @@ class Journey:
 # Failures that ran nothing for the client (unreachable or stalled worker): moving on costs no retry.
 _FREE_REASONS = frozenset({"connect_error", "stalled"})
 _FREE_MOVES = 8
+# Request headers a worker never gets from the client (besides hop-by-hop ones).
+_TO_WORKER_DROP = http.CLIENT_CREDENTIALS | http.TO_WORKER_REPLACED
+
 # Failures of a non-streamed request while its worker was generating: it starts again on another worker.
 _RESTARTED = frozenset({"broken_body", "stalled", "connection_lost", "broken_before_first_chunk"})
 
