@@ -12,6 +12,7 @@ import asyncio
 import atexit
 import logging
 import logging.handlers
+import threading
 import time
 import weakref
 from array import array
@@ -41,6 +42,7 @@ class AccessLog:
         # bytes objects held in a list cost more to keep than to make (each keeps its allocation's slack).
         self.buffer = bytearray()
         self.times = array("d")
+        self.lock = threading.Lock()  # the loop writes while close() may flush from a thread
         self.timer: asyncio.TimerHandle | None = None
         self._seconds: dict[tuple[Any, ...], tuple[bytes, bytes | None]] = {}  # asctime up to the second, per formatter's clock
         _open_logs.add(self)
@@ -50,12 +52,15 @@ class AccessLog:
 
     def write(self, record: dict[str, Any]) -> None:
         """`record`'s keys in order, None values included (a field is always there, so lines parse alike)."""
-        buffer = self.buffer
-        buffer += orjson.dumps(record)
-        buffer += b"\n"
-        times = self.times
-        times.append(time.time())
-        if len(times) >= FLUSH_LINES:
+        line = orjson.dumps(record)
+        with self.lock:
+            buffer = self.buffer
+            buffer += line
+            buffer += b"\n"
+            times = self.times
+            times.append(time.time())
+            pending = len(times)
+        if pending >= FLUSH_LINES:
             self.flush()
         elif self.timer is None:
             try:
@@ -70,8 +75,9 @@ class AccessLog:
 
     def flush(self) -> None:
         """Write every pending line (on the loop, or from any thread at close and at exit)."""
-        buffer, times = self.buffer, self.times
-        self.buffer, self.times = bytearray(), array("d")
+        with self.lock:
+            buffer, times = self.buffer, self.times
+            self.buffer, self.times = bytearray(), array("d")
         if times:
             self._emit(list(zip(times, buffer.split(b"\n"), strict=False)))
 
