@@ -5,6 +5,7 @@ Owns which client ids are kept and when a request came back to this proxy; not r
 
 from __future__ import annotations
 
+import os
 import re
 import uuid
 
@@ -26,7 +27,15 @@ def request_id(given: bytes | None) -> str:
     """The client's x-request-id when it is a plain id; otherwise (absent, long, odd bytes) a new one."""
     if given and _CLIENT_REQUEST_ID.fullmatch(given):
         return given.decode("ascii")
-    return uuid.uuid4().hex
+    return _uuid4_hex()
+
+
+def _uuid4_hex() -> str:
+    """uuid.uuid4().hex, without building a UUID object (a third of the cost, once per request)."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
+    raw[8] = (raw[8] & 0x3F) | 0x80  # RFC 4122 variant
+    return raw.hex()
 
 
 def refuse_loop(via: bytes | None, instance_id: str) -> None:
