@@ -283,8 +283,10 @@ def test_sigterm_drains_in_flight_work_then_stops_the_engine(fleet):
         bypass.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
     engine = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=ENGINE_KEY, max_retries=0, timeout=120)
     # Straight to this worker's engine, streamed: the first chunk proves the request is running there.
+    # 600 tokens: long enough that the drain must wait for it, short enough to end well within the 60 s grace
+    # on two loaded cores (1900 took 43 s beside the other tests and was cut once in CI)
     stream = engine.chat.completions.create(
-        model=MODEL, max_tokens=1900, stream=True, stream_options={"include_usage": True},
+        model=MODEL, max_tokens=600, stream=True, stream_options={"include_usage": True},
         messages=[{"role": "user", "content": "Write a very long letter."}], extra_body={"ignore_eos": True})
     chunks = iter(stream)
     next(chunks)
@@ -292,7 +294,7 @@ def test_sigterm_drains_in_flight_work_then_stops_the_engine(fleet):
     wait_until(lambda: "draining" in supervisor.log(), 10, what="the supervisor to start draining")
     # Stopping the engine now would cut the stream short; draining lets it finish.
     usage = [c.usage for c in chunks if c.usage is not None]
-    assert usage and usage[-1].completion_tokens == 1900
+    assert usage and usage[-1].completion_tokens == 600
     assert supervisor.popen.wait(60) == 0
     assert worker_id not in fleet.workers_view()  # deregistered on the way out
     wait_until(lambda: engine_pid(port) is None, 10, what="the engine to be stopped")
