@@ -134,16 +134,16 @@ class ProxyConfig(_Strict):
         None, description="client API keys for /v1/*: a list, or a file (one key or sha256:HEX per line, or a YAML "
                           "list of entries); also --api-keys FILE and KVROUTE_API_KEYS (comma-separated)")
     metrics_token: str | None = Field(None, description="bearer token for GET /metrics besides any API key")
+    otlp_endpoint: str | None = Field(None, description=(
+        "OpenTelemetry collector (OTLP/HTTP, e.g. http://127.0.0.1:4318): one trace per /v1 request; unset: "
+        "OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing"))
+    access_log: bool = Field(True, description="one JSON line per /v1 request on the kvroute.access logger (INFO)")
     limits: ProxyLimits = Field(default_factory=ProxyLimits)
 
     @field_validator("admin_token", "worker_token")
     @classmethod
     def _empty_token_is_none(cls, v: str | None) -> str | None:
         return v if v is not None and v.strip() else None  # `${KVROUTE_ADMIN_TOKEN:-}` unset means no token
-    otlp_endpoint: str | None = Field(None, description=(
-        "OpenTelemetry collector (OTLP/HTTP, e.g. http://127.0.0.1:4318): one trace per /v1 request; unset: "
-        "OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing"))
-    access_log: bool = Field(True, description="one JSON line per /v1 request on the kvroute.access logger (INFO)")
 
     @field_validator("worker_networks", "trusted_worker_networks")
     @classmethod
