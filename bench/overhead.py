@@ -138,6 +138,58 @@ def direct_baseline(cell: list[dict[str, Any]]) -> dict[str, float] | None:
     return {k: sum(r[k] for r in direct) / len(direct) for k in BASELINE_KEYS if all(r[k] is not None for r in direct)}
 
 
+REFERENCE_ROUTE = "vllm-router:round_robin"  # issue 10's yardstick
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _span(values: list[float | None], scale: float = 1.0, digits: int = 0, signed: bool = False) -> str:
+    """`median (min..max)` of the repeats; one value alone; `-` for none."""
+    got = [v * scale for v in values if v is not None]
+    if not got:
+        return "-"
+    text = fmt(_median(got), digits=digits, signed=signed)
+    return text if len(got) == 1 else f"{text} ({fmt(min(got), digits=digits, signed=signed)}.."\
+        f"{fmt(max(got), digits=digits, signed=signed)})"
+
+
+def render_repeats(rows: list[dict[str, Any]]) -> str:
+    """Per workload and route over the repeats: median (min..max); added latency against the direct runs of the
+    same repeat; CPU as a ratio to vllm-router round_robin's in the same repeat."""
+    out = ["## Over the repeats: median (min..max)\n"]
+    for wl in dict.fromkeys(r["workload"] for r in rows):
+        cell = [r for r in rows if r["workload"] == wl]
+        repeats = sorted({r.get("repeat", 0) for r in cell})
+        base = {k: direct_baseline([r for r in cell if r.get("repeat", 0) == k]) for k in repeats}
+        ref = {r.get("repeat", 0): r["cpu_us_per_req"] for r in cell if r["route"] == REFERENCE_ROUTE}
+
+        def added(r: dict[str, Any], key: str, base: dict = base) -> float | None:
+            b = base.get(r.get("repeat", 0))
+            return None if not b or r[key] is None or key not in b else r[key] - b[key]
+
+        table = []
+        for route in dict.fromkeys(r["route"] for r in cell):
+            if route.startswith("direct"):
+                continue
+            rs = [r for r in cell if r["route"] == route]
+            ratio = [r["cpu_us_per_req"] / ref[r.get("repeat", 0)] for r in rs
+                     if r["cpu_us_per_req"] and ref.get(r.get("repeat", 0))]
+            table.append([route, len(rs), sum(r["failed"] for r in rs), _span([r["req_per_s"] for r in rs]),
+                          _span([added(r, "lat_p50") for r in rs], 1000, 1, True),
+                          _span([added(r, "lat_p99") for r in rs], 1000, 1, True),
+                          _span([r["cpu_us_per_req"] for r in rs]), _span(ratio, digits=2),
+                          _span([r.get("chunks_per_cpu_s") for r in rs])])
+        out.append(f"### {wl}\n")
+        out.append(md_table(["route", "repeats", "failed", "req/s", "added p50 ms", "added p99 ms", "CPU us/req",
+                             f"CPU / {REFERENCE_ROUTE}", "chunks/s per core"], table))
+        out.append("")
+    return "\n".join(out)
+
+
 def render(rows: list[dict[str, Any]], sizes: str) -> str:
     out = [f"# Router overhead over direct calls\n\n{environment_note()}\n\n{sizes}\n",
            "Added latency/TTFT = router's percentile minus direct's (client-side round robin; mean of a direct "
@@ -181,6 +233,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default=",".join(sorted({p for p, _ in PEER_ROUTES})),
                    help="peer routers to include, comma-separated")
     p.add_argument("--workloads", default="stream,stress,nonstream")
+    p.add_argument("--repeats", type=int, default=3, help="runs of every route per workload (median and range)")
     p.add_argument("--out-dir", type=Path, default=None, help="results folder (default bench/results)")
     p.add_argument("--name", default="overhead")
 
@@ -203,23 +256,30 @@ def run(args: argparse.Namespace) -> int:
                          extra=["--max-num-seqs", "512"])
     with Fleet(log_dir, [spec] * args.workers) as fleet:
         for w in chosen:
-            for kind, policy in routes:
-                print(f"[overhead] {w.name} {kind}:{policy} ...", flush=True)
-                try:
-                    row = run_cell(fleet, kind, policy, w, model, min(args.warmup, w.requests))
-                except Exception as exc:  # one broken router must not cost the other cells
-                    print(f"[overhead]   FAILED: {exc}", flush=True)
-                    failed_cells.append(f"{w.name} {kind}:{policy}: {str(exc)[:300]}")
-                    continue
-                print(f"[overhead]   ok={row['ok']} failed={row['failed']} req/s={row['req_per_s']:.0f} "
-                      f"p99={ms(row['lat_p99'])}ms cpu/req={fmt(row['cpu_us_per_req'], digits=0)}us", flush=True)
-                rows.append(row)
-    sizes = ("Fleet: {} sim workers, preset {} at time scale {} (~10 ms per decode step). Workloads: {}.".format(
-        args.workers, SIM_PRESET, SIM_TIME_SCALE,
+            for repeat in range(args.repeats):
+                # routers in turn, the order reversed every other repeat so drift during a run favours none;
+                # a direct run opens and closes each repeat
+                middle = routes[1:-1] if repeat % 2 == 0 else routes[-2:0:-1]
+                for kind, policy in [routes[0], *middle, routes[-1]]:
+                    print(f"[overhead] {w.name} #{repeat + 1} {kind}:{policy} ...", flush=True)
+                    try:
+                        row = run_cell(fleet, kind, policy, w, model, min(args.warmup, w.requests))
+                    except Exception as exc:  # one broken router must not cost the other cells
+                        print(f"[overhead]   FAILED: {exc}", flush=True)
+                        failed_cells.append(f"{w.name} #{repeat + 1} {kind}:{policy}: {str(exc)[:300]}")
+                        continue
+                    row["repeat"] = repeat
+                    print(f"[overhead]   ok={row['ok']} failed={row['failed']} req/s={row['req_per_s']:.0f} "
+                          f"p99={ms(row['lat_p99'])}ms cpu/req={fmt(row['cpu_us_per_req'], digits=0)}us",
+                          flush=True)
+                    rows.append(row)
+    sizes = ("Fleet: {} sim workers, preset {} at time scale {} (~10 ms per decode step). {} repeat(s) per cell. "
+             "Workloads: {}.".format(
+        args.workers, SIM_PRESET, SIM_TIME_SCALE, args.repeats,
         "; ".join(f"{w.name} = {w.requests} requests at concurrency {w.concurrency}, {w.max_tokens} tokens, "
                   f"{'streaming' if w.stream else 'non-streaming'}" for w in chosen)))
     md_path = results_path(args.name, ".md", args.out_dir)
-    text = render(rows, sizes) + "".join(f"\n- cell not run: {f}" for f in failed_cells)
+    text = render(rows, sizes) + "\n" + render_repeats(rows) + "".join(f"\n- cell not run: {f}" for f in failed_cells)
     for w in chosen:
         png = results_path(f"{args.name}-{w.name}-latency-cdf", ".png", args.out_dir)
         if plot_cdfs(png, {r["route"]: r["latencies"] for r in rows if r["workload"] == w.name},
