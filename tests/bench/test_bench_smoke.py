@@ -57,15 +57,19 @@ def _processes_marked(mark: str) -> list[int]:
 
 def test_overhead_smoke_produces_table_with_no_failed_requests(procs, tmp_path):
     _run_bench(procs, tmp_path, "overhead", "--scale", "0.05", "--warmup", "20", "--no-peers",
-               "--policies", "kv_aware", "--workloads", "stream,nonstream")
+               "--policies", "kv_aware", "--workloads", "stream,nonstream", "--repeats", "2")
     md_files = list(tmp_path.glob("*-overhead.md"))
     assert len(md_files) == 1
     md = md_files[0].read_text()
     rows = _table_rows(md, r"direct|direct \(again\)|kvroute:kv_aware")
-    assert len(rows) == 6, md  # direct, kvroute, direct again x two workloads
+    # per run: direct, kvroute, direct again x two repeats x two workloads; then kvroute over the repeats per workload
+    assert len(rows) == 2 * 2 * 3 + 2, md
+    assert "## Over the repeats: median (min..max)" in md
+    assert [r[1] for r in rows[-2:]] == ["2", "2"], md  # the summary rows count both repeats
     rows_json = json.loads(next(tmp_path.glob("*-overhead.json")).read_text())
-    assert {(r["route"], r["workload"]) for r in rows_json} == {
-        (route, wl) for route in ("direct", "kvroute:kv_aware", "direct (again)") for wl in ("stream", "nonstream")}
+    assert {(r["route"], r["workload"], r["repeat"]) for r in rows_json} == {
+        (route, wl, k) for route in ("direct", "kvroute:kv_aware", "direct (again)") for wl in ("stream", "nonstream")
+        for k in (0, 1)}
     for r in rows_json:
         assert r["failed"] == 0 and r["rejected"] == 0, r
         assert r["ok"] == r["requests"] == 100
