@@ -51,7 +51,9 @@ def test_a_hot_prefix_keeps_its_worker_under_pressure_while_cold_prompts_go_else
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
         async with httpx.AsyncClient(timeout=60, limits=limits) as client:
             url = fleet.url + "/v1/chat/completions"
-            hot = [asyncio.create_task(client.post(url, json=hot_body(10 + i, 300))) for i in range(6)]
+            # 3 long streams (not 6 shorter ones): the same KV pressure, and they outlast the cold prompts below
+            # even when two loaded cores slow this client down
+            hot = [asyncio.create_task(client.post(url, json=hot_body(10 + i, 600))) for i in range(3)]
 
             def loaded() -> bool:
                 report = fleet.worker(owner).get("last_report") or {}
