@@ -26,10 +26,11 @@ from proxy.observability.watch import Observer, RequestWatch
 from proxy.registry import Registry, Worker
 from proxy.request import CHAT, RoutedRequest, parse_request
 from proxy.retry_policy import Action, Attempt, Failure, Verdict, classify
-from proxy.routing.base import Policy
+from proxy.routing.base import Decision, Policy
 from proxy.security.limits import check_request
 
 if TYPE_CHECKING:
+    from proxy.dataplane.pool import Endpoint
     from proxy.dataplane.server import ClientConnection, IncomingRequest
 
 log = logging.getLogger("kvroute.dispatch")
@@ -138,20 +139,8 @@ class Journey:
                              b"Authorization: Bearer %s\r\n" % api_key.encode() if api_key else b"", b"\r\n"))
             extra = b"x-kvroute-worker: %s\r\nx-request-id: %s\r\n%s" % (worker.worker_id.encode(), rid.encode(),
                                                                            explained)
-            pulse = self.stalls.pulse(worker)
-            exchange = Exchange(client, mode, extra, dispatcher.proxy_config.timeouts, tracker=tracker, pulse=pulse)
-            ticket = dispatcher.begin(decision, policy, routed)
-            outcome: Retryable | Relayed | None = None
-            try:
-                outcome = await exchange.send(self.pool, endpoint, head + body)
-            except asyncio.CancelledError:  # the client went away
-                metrics.requests.labels(served, worker.worker_id, "client_closed").inc()
-                raise
-            finally:
-                # Every path (success, worker failure, client disconnect/cancel) lands here exactly once.
-                dispatcher.end(ticket, outcome.first_byte_at if isinstance(outcome, Relayed) else None)
-                watch.attempt_ended(outcome)
-                self.stalls.forget_idle(pulse)
+            outcome = await self._try_worker(client, served, watch, decision, policy, routed, endpoint, head + body,
+                                          mode, extra, tracker)
             if isinstance(outcome, Retryable):
                 last_failure, last_worker = outcome, worker
                 # A worker that could not be reached or was stalled ran nothing for the client: moving on from it
@@ -189,6 +178,30 @@ class Journey:
             self._record(served, worker, outcome, req.started)
             return
         self._exhausted(client, served, last_failure, last_worker, rid)
+
+    async def _try_worker(self, client: ClientConnection, served: str, watch: RequestWatch, decision: Decision,
+                       policy: Policy, routed: RoutedRequest, endpoint: Endpoint, request: bytes, mode: int,
+                       extra: bytes, tracker: migration.StreamTracker | None,
+                       resumed: bool = False) -> Retryable | Relayed:
+        """One upstream attempt on `decision.worker`, wrapped in Dispatcher.begin/end (first tries, retries and
+        migrations alike)."""
+        dispatcher = self.dispatcher
+        pulse = self.stalls.pulse(decision.worker)
+        exchange = Exchange(client, mode, extra, dispatcher.proxy_config.timeouts, tracker=tracker, resumed=resumed,
+                            pulse=pulse)
+        ticket = dispatcher.begin(decision, policy, routed)
+        outcome: Retryable | Relayed | None = None
+        try:
+            outcome = await exchange.send(self.pool, endpoint, request)
+        except asyncio.CancelledError:  # the client went away
+            self.metrics.requests.labels(served, decision.worker.worker_id, "client_closed").inc()
+            raise
+        finally:
+            # Every path (success, worker failure, client disconnect/cancel) lands here exactly once.
+            dispatcher.end(ticket, outcome.first_byte_at if isinstance(outcome, Relayed) else None)
+            watch.attempt_ended(outcome)
+            self.stalls.forget_idle(pulse)
+        return outcome
 
     def _tracker(self, routed: RoutedRequest) -> migration.StreamTracker | None:
         """A stream that may migrate gets its events read; any other keeps the plain byte relay."""
@@ -255,20 +268,8 @@ class Journey:
                              b"Content-Length: %d\r\n" % len(body), watch.upstream(nxt.worker_id, nxt.url),
                              b"Authorization: Bearer %s\r\n" % api_key.encode() if api_key else b"", b"\r\n"))
             tracker.begin_continuation()
-            pulse = self.stalls.pulse(nxt)
-            exchange = Exchange(client, STREAM, b"", dispatcher.proxy_config.timeouts, tracker=tracker,
-                                resumed=True, pulse=pulse)
-            ticket = dispatcher.begin(decision, policy, routed)
-            outcome: Retryable | Relayed | None = None
-            try:
-                outcome = await exchange.send(self.pool, endpoint, head + body)
-            except asyncio.CancelledError:
-                metrics.requests.labels(served, nxt.worker_id, "client_closed").inc()
-                raise
-            finally:
-                dispatcher.end(ticket, outcome.first_byte_at if isinstance(outcome, Relayed) else None)
-                watch.attempt_ended(outcome)
-                self.stalls.forget_idle(pulse)
+            outcome = await self._try_worker(client, served, watch, decision, policy, routed, endpoint, head + body,
+                                          STREAM, b"", tracker, resumed=True)
             if isinstance(outcome, Relayed):
                 worker = nxt
                 metrics.migrations.labels(served, "continued").inc()
