@@ -16,6 +16,13 @@ MODULE_KNOBS = {
     "queue_weight": "proxy.routing.kv_aware.QUEUE_WEIGHT",
     "prefix_saturation": "proxy.routing.kv_aware.PREFIX_SATURATION_TOKENS",
     "forget_after": "proxy.loadview.DISPATCH_FORGET_AFTER_S",
+    # kv_cost (the time-unit model) and the estimator behind it
+    "resolution": "proxy.routing.kv_cost.RESOLUTION_S",
+    "shortlist": "proxy.routing.kv_cost.SHORTLIST",
+    "prior_prefill_rate": "proxy.routing.estimator.PRIOR_PREFILL_TOKENS_PER_S",
+    "prior_vision_extra": "proxy.routing.estimator.PRIOR_VISION_EXTRA",
+    "forget": "proxy.routing.estimator.FORGET",
+    "shrink_n": "proxy.routing.estimator.SHRINK_N",
 }
 CONFIG_KNOBS = {"hw": ("kv_high_water",), "queue_wait": ("queue", "max_wait_s"), "queue_len": ("queue", "max_length")}
 

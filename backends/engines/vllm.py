@@ -14,7 +14,8 @@ Owns vLLM specifics only; the supervisor (backends/worker.py) runs the process.
   `vllm:num_requests_waiting`, the prefix-cache counters `vllm:prefix_cache_queries_total` /
   `vllm:prefix_cache_hits_total` (the hit rate reported is over the interval since the previous
   reading that saw queries), and `vllm:cache_config_info` (num_gpu_blocks x block_size = KV
-  capacity in tokens). With data parallelism there is one sample per `engine` label: usage is
+  capacity in tokens), and the engine's recent prefill rate and decode step time from its histograms
+  (vllm_speed.py). With data parallelism there is one sample per `engine` label: usage is
   averaged, counts and capacity are summed (the rule in proxy/promtext.py, which the proxy's own
   scrape follows too).
 """
@@ -27,6 +28,8 @@ from collections.abc import Mapping
 import aiohttp
 
 from backends.engines.base import EngineLaunch, fetch_metrics
+from backends.engines.vllm_speed import METRIC_NAMES as SPEED_METRIC_NAMES
+from backends.engines.vllm_speed import VllmSpeed
 from backends.reporter import Load
 from proxy import promtext
 
@@ -36,7 +39,7 @@ WAITING = "vllm:num_requests_waiting"
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 CACHE_CONFIG = "vllm:cache_config_info"
-METRIC_NAMES = (KV_USAGE, RUNNING, WAITING, PREFIX_QUERIES, PREFIX_HITS, CACHE_CONFIG)
+METRIC_NAMES = (KV_USAGE, RUNNING, WAITING, PREFIX_QUERIES, PREFIX_HITS, CACHE_CONFIG, *SPEED_METRIC_NAMES)
 
 
 class PrefixHitRate:
@@ -65,6 +68,7 @@ class VllmAdapter:
 
     def __init__(self) -> None:
         self._prefix = PrefixHitRate()
+        self._speed = VllmSpeed()
 
     @property
     def running_engine(self) -> str:
@@ -104,12 +108,15 @@ class VllmAdapter:
 
     def load_from_metrics(self, text: str) -> Load:
         metrics = promtext.parse(text, names=METRIC_NAMES)
+        self._speed.update(metrics)
         return Load(
             kv_cache_usage=promtext.kv_usage(metrics, [KV_USAGE]) or 0.0,
             num_running=int(metrics.total(RUNNING) or 0),
             num_waiting=int(metrics.total(WAITING) or 0),
             prefix_cache_hit_rate=self._prefix.update(metrics.total(PREFIX_QUERIES), metrics.total(PREFIX_HITS)),
             kv_capacity_tokens=promtext.kv_capacity_tokens(metrics, CACHE_CONFIG),
+            prefill_tokens_per_s=self._speed.prefill_tokens_per_s,
+            decode_step_s=self._speed.decode_step_s,
         )
 
     async def read_load(self, session: aiohttp.ClientSession, base_url: str) -> Load:

@@ -129,3 +129,51 @@ def test_turbomind_load_falls_back_to_gauges_without_counters():
     gauges_only = "\n".join(line for line in LMDEPLOY_METRICS_TEXT.splitlines() if "_count" not in line)
     load = projected_load(promtext.parse(gauges_only, names=TM_METRICS))
     assert (load.kv_cache_usage, load.num_running, load.num_waiting) == (0.6, 4, 2)
+
+
+def _speed_text(prefills: float, computed: float, prefill_s: float, steps: float, step_s: float,
+                itl: str = "vllm:inter_token_latency_seconds") -> str:
+    return (VLLM_METRICS_TEXT
+            + f'vllm:request_prefill_kv_computed_tokens_sum{{engine="0",model_name="tiny"}} {computed}\n'
+            + f'vllm:request_prefill_kv_computed_tokens_count{{engine="0",model_name="tiny"}} {prefills}\n'
+            + f'vllm:request_prefill_time_seconds_sum{{engine="0",model_name="tiny"}} {prefill_s}\n'
+            + f'vllm:request_prefill_time_seconds_count{{engine="0",model_name="tiny"}} {prefills}\n'
+            + f'{itl}_sum{{engine="0",model_name="tiny"}} {step_s}\n'
+            + f'{itl}_count{{engine="0",model_name="tiny"}} {steps}\n')
+
+
+def test_vllm_load_reports_prefill_rate_and_decode_step_from_the_histograms_once_enough_happened():
+    adapter = VllmAdapter()
+    first = adapter.load_from_metrics(_speed_text(10, 5000, 1.0, 400, 8.0))
+    # The first reading is a baseline: the counters since the engine started mix warm-up and idle.
+    assert first.prefill_tokens_per_s is None and first.decode_step_s is None
+    # Two prefills and 10 steps are too few to measure: still unknown.
+    few = adapter.load_from_metrics(_speed_text(12, 6000, 1.5, 410, 8.25))
+    assert few.prefill_tokens_per_s is None and few.decode_step_s is None
+    # 8 prefills of 16,000 new tokens in 2 s of prefill; 100 steps in 3 s: 8000 tokens/s, 30 ms a step.
+    enough = adapter.load_from_metrics(_speed_text(18, 21000, 3.0, 500, 11.0))
+    assert enough.prefill_tokens_per_s == 8000.0
+    assert abs(enough.decode_step_s - 0.03) < 1e-9
+    # Nothing new since: the last rates are reported again, not dropped.
+    same = adapter.load_from_metrics(_speed_text(18, 21000, 3.0, 500, 11.0))
+    assert (same.prefill_tokens_per_s, same.decode_step_s) == (enough.prefill_tokens_per_s, enough.decode_step_s)
+    # The engine restarted (counters went back): a new baseline, the old rates stay until it measures again.
+    restarted = adapter.load_from_metrics(_speed_text(1, 100, 0.1, 5, 0.1))
+    assert restarted.prefill_tokens_per_s == 8000.0
+
+
+def test_vllm_speed_falls_back_to_prompt_tokens_less_cache_hits_and_the_older_itl_name():
+    def text(prompt: float, hits: float, prefills: float, prefill_s: float, steps: float, step_s: float) -> str:
+        return (VLLM_METRICS_TEXT.replace("hits_total{engine=\"0\",model_name=\"tiny\"} 250.0",
+                                          f"hits_total{{engine=\"0\",model_name=\"tiny\"}} {hits}")
+                + f'vllm:prompt_tokens_total{{engine="0",model_name="tiny"}} {prompt}\n'
+                + f'vllm:request_prefill_time_seconds_sum{{engine="0",model_name="tiny"}} {prefill_s}\n'
+                + f'vllm:request_prefill_time_seconds_count{{engine="0",model_name="tiny"}} {prefills}\n'
+                + f'vllm:time_per_output_token_seconds_sum{{engine="0",model_name="tiny"}} {step_s}\n'
+                + f'vllm:time_per_output_token_seconds_count{{engine="0",model_name="tiny"}} {steps}\n')
+    adapter = VllmAdapter()
+    adapter.load_from_metrics(text(1000, 250, 2, 0.5, 10, 0.2))
+    # 9000 prompt tokens, 5000 of them cache hits: 4000 computed in 0.5 s.
+    load = adapter.load_from_metrics(text(10000, 5250, 6, 1.0, 60, 1.2))
+    assert load.prefill_tokens_per_s == 8000.0
+    assert abs(load.decode_step_s - 0.02) < 1e-9
