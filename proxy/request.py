@@ -222,15 +222,25 @@ class _PrefixChain:
         """Chain `raw` in; returns the tokens it stands for (`tokens`, else estimate_text_tokens)."""
         if tokens is None:
             tokens = estimate_text_tokens(raw)
+        n = len(raw)
+        hashes = self.hashes
+        if not n or len(hashes) >= MAX_PREFIX_BLOCKS:
+            return tokens
+        per_byte = tokens / n
+        buf = self._buf
+        if len(buf) + n < PREFIX_BLOCK_BYTES:  # a short piece (a role, a short message): into the open block
+            buf += raw
+            self._buf_tokens += n * per_byte
+            return tokens
         view = memoryview(raw)
-        i, n = 0, len(raw)
-        per_byte = tokens / n if n else 0.0
-        while i < n and len(self.hashes) < MAX_PREFIX_BLOCKS:
-            take = min(PREFIX_BLOCK_BYTES - len(self._buf), n - i)
-            self._buf += view[i:i + take]
+        i = 0
+        while i < n and len(hashes) < MAX_PREFIX_BLOCKS:
+            room = PREFIX_BLOCK_BYTES - len(buf)
+            take = room if room < n - i else n - i
+            buf += view[i:i + take]
             self._buf_tokens += take * per_byte
             i += take
-            if len(self._buf) >= PREFIX_BLOCK_BYTES:
+            if take == room:
                 self._close_block()
         return tokens
 

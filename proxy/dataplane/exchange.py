@@ -77,6 +77,7 @@ class Relayed:
     break_reason: str = ""        # worker_failed: connection_lost | idle_timeout | stalled | broken_stream
 
 
+_NONE: frozenset[bytes] = frozenset()
 _STALE = Retryable("stale", "a pooled connection was closed by the worker")
 
 
@@ -147,8 +148,10 @@ class Exchange:
             self.first_byte_deadline = now + self.timeouts.first_byte_s
         for _ in range(2):  # a second time only when a pooled connection turned out to be closed
             try:
-                conn = await pool.acquire(endpoint, min(self.timeouts.connect_s,
-                                                        max(0.001, self.first_byte_deadline - loop.time())))
+                conn = pool.take(endpoint, loop.time())  # a kept-alive one, without a coroutine
+                if conn is None:
+                    conn = await pool.connect(endpoint, min(self.timeouts.connect_s,
+                                                            max(0.001, self.first_byte_deadline - loop.time())))
             except TimeoutError:
                 return Retryable("connect_error", f"no connection within {self.timeouts.connect_s}s")
             except OSError as exc:
@@ -355,9 +358,10 @@ class Exchange:
 
     # --- committing to the client and relaying -------------------------------------------------
     def _head(self, framing: int, length: int = 0) -> bytes:
-        drop = http.connection_named(self.headers)
-        lines = http.filtered(self.headers, http.HOP_BY_HOP,
-                              drop | http.FROM_WORKER_REPLACED if self.mode != PASS else drop)
+        drop = http.connection_named(self.headers) if b"connection" in self.index else _NONE
+        if self.mode != PASS:
+            drop = drop | http.FROM_WORKER_REPLACED if drop else http.FROM_WORKER_REPLACED
+        lines = http.filtered(self.headers, http.HOP_BY_HOP, drop)
         client = self.client
         if framing == _LENGTH:
             end = b"Content-Length: %d\r\n" % length
@@ -402,9 +406,11 @@ class Exchange:
         self.held_head = self._head(framing, int(length_value) if framing == _LENGTH else 0)
         self._rearm_idle()
 
-    def _flush(self, last: bool = False) -> None:
-        """Write what arrived (and a held head, and with `last` the end of the body) in one send."""
+    def _flush(self, last: bool = False) -> bool:
+        """Write what arrived (and a held head, and with `last` the end of the body) in one send. False when
+        `last` but a tracked stream is not whole (broken, or no [DONE]): its body is then left open."""
         parts = []
+        tracker = self.tracker
         if self.held_head:
             parts.append(self.held_head)
             self.held_head = b""
@@ -412,17 +418,22 @@ class Exchange:
         if out:
             data = out[0] if len(out) == 1 else b"".join(out)
             self.out = []
-            tracker = self.tracker
             if tracker is not None:
                 data = tracker.feed(data)  # whole events only: a break leaves the client between two
             elif self.sse:
                 self.ends_clean = data.endswith(b"\n\n")
             if data:
-                parts.append(http.chunk(data) if self.framing == _CHUNKED else data)
-        if last and self.framing == _CHUNKED:
+                if self.framing == _CHUNKED:  # http.chunk(data), framed in the one join below
+                    parts += (b"%x\r\n" % len(data), data, b"\r\n")
+                else:
+                    parts.append(data)
+        if last and tracker is not None and (tracker.broken is not None or not tracker.done):
+            last = False
+        elif last and self.framing == _CHUNKED:
             parts.append(http.LAST_CHUNK)
         if parts and not self.client.closed:
             self.client.transport.write(parts[0] if len(parts) == 1 else b"".join(parts))
+        return last
 
     def _finish(self) -> None:
         """The worker's response is complete: answer the client if not yet done, free the connection."""
@@ -448,14 +459,11 @@ class Exchange:
                 (self.index.get(b"content-type") or b"").decode("latin-1") or None,
                 retry_after.decode("latin-1") if retry_after is not None else None)
         elif state == _RELAY:
-            tracker = self.tracker
-            if tracker is not None:
-                self._flush()
-                if tracker.broken is not None or not tracker.done:  # ended early, or with an error event
-                    self.future.set_result(self._stream_broke(
-                        "broken_stream", tracker.broken or "the worker ended the stream before [DONE]"))
-                    return
-            self._flush(last=True)
+            if not self._flush(last=True):  # a tracked stream that ended early, or with an error event
+                tracker = self.tracker
+                self.future.set_result(self._stream_broke(
+                    "broken_stream", tracker.broken or "the worker ended the stream before [DONE]"))
+                return
             outcome = Relayed(self.status, self.first_byte_at, client_gone=client.closed)
         else:  # _BUFFER or _FIRST: the whole answer at once
             body = b"".join(self.parts)

@@ -111,7 +111,7 @@ class Journey:
         body = routed.body_for_model(served)
         # Everything of the upstream head but the request line, Host and the worker's own key.
         drop = _TO_WORKER_DROP | watch.replaces if watch.replaces else _TO_WORKER_DROP
-        named = http.connection_named(req.headers)
+        named = http.connection_named(req.headers) if req.header(b"connection") is not None else None
         common = b"".join((
             http.filtered(req.headers, http.HOP_BY_HOP, drop | named if named else drop),
             b"x-request-id: ", rid.encode(), b"\r\nx-kvroute-via: ",

@@ -30,6 +30,8 @@ COMPACT_BYTES = 128 * 1024
 
 def refusal(payload: dict[str, Any], kind: str) -> str | None:
     """Why a streamed request could not continue on another worker (None: it could)."""
+    if kind == CHAT and _REFUSAL_KEYS.isdisjoint(payload):  # the usual request names none of them
+        return None
     if payload.get("n", 1) not in (1, None) or payload.get("best_of", 1) not in (1, None):
         return "n>1"
     if payload.get("logprobs") not in (None, False) or payload.get("top_logprobs") is not None:
@@ -50,6 +52,11 @@ def refusal(payload: dict[str, Any], kind: str) -> str | None:
     if _prompt_text(payload.get("prompt")) is None:
         return "token_prompt"
     return None
+
+
+# Every key refusal() reads: a chat request with none of them can continue.
+_REFUSAL_KEYS = frozenset(("n", "best_of", "logprobs", "top_logprobs", "echo", "tools", "tool_choice", "functions",
+                           "function_call", "continue_final_message", *_STRUCTURED))
 
 
 def engine_continues(worker: Worker, kind: str) -> bool:
@@ -182,6 +189,9 @@ class StreamTracker:
             return data
         if self.broken is not None:
             return b""
+        if self.lazy and not self.partial and not self.continuation and data.endswith(b"\n\n") \
+                and b"\r" not in data and self._defer(data):
+            return data  # the usual piece of a read stream: whole events, kept unread
         buf = self.partial + data if self.partial else data
         if b"\r" in buf:
             buf = buf.replace(b"\r\n", b"\n")

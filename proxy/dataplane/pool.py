@@ -118,17 +118,19 @@ class UpstreamPool:
             endpoint = self._endpoints[url] = Endpoint.from_url(url)
         return endpoint
 
-    async def acquire(self, endpoint: Endpoint, connect_s: float) -> UpstreamConnection:
-        """A free connection to `endpoint` if one is fresh, else a new one (OSError/TimeoutError)."""
+    def take(self, endpoint: Endpoint, now: float) -> UpstreamConnection | None:
+        """A free connection to `endpoint` that is still fresh at loop time `now`, or None."""
         free = self._free.get(endpoint)
-        if free:
-            now = asyncio.get_running_loop().time()
-            while free:
-                conn, _ = free.popitem()
-                if not conn.closed and now - conn.idle_since < POOL_IDLE_S:
-                    conn.reused = True
-                    return conn
-                conn.close()
+        while free:
+            conn, _ = free.popitem()
+            if not conn.closed and now - conn.idle_since < POOL_IDLE_S:
+                conn.reused = True
+                return conn
+            conn.close()
+        return None
+
+    async def connect(self, endpoint: Endpoint, connect_s: float) -> UpstreamConnection:
+        """A new connection to `endpoint` (OSError/TimeoutError)."""
         loop = asyncio.get_running_loop()
         conn = UpstreamConnection(self, endpoint)
         async with asyncio.timeout(connect_s):

@@ -135,6 +135,9 @@ class RequestWatch:
 
     def _finish(self) -> None:
         observer = self.observer
+        access = observer.access_log
+        if self.trace is None and (access is None or not access.enabled()):
+            return  # nothing to report to
         ended = time.monotonic()
         total_ms = round((ended - self.started) * 1000, 3)
         first = self.first_byte_at
@@ -147,7 +150,6 @@ class RequestWatch:
             if self.error is not None:
                 attributes["error.type"] = self.error
             trace.end(self.status, attributes)
-        access = observer.access_log
         if access is not None and access.enabled():
             access.write({"ts": round(time.time(), 3), "request_id": self.rid, "model": self.model,
                           "worker": self.worker, "policy": self.policy, "reason": self.reason, "status": self.status,
