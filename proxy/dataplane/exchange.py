@@ -46,6 +46,7 @@ class Client(Protocol):
     """What an exchange needs of the client connection (server.py's ClientConnection)."""
 
     transport: asyncio.Transport
+    loop: asyncio.AbstractEventLoop
     http11: bool
     keep_alive: bool
     closed: bool
@@ -102,7 +103,7 @@ class Exchange:
         self.mode = mode
         self.extra = extra_headers
         self.timeouts = timeouts
-        self.loop = asyncio.get_running_loop()
+        self.loop = client.loop  # not asyncio.get_running_loop(): that costs a getpid() system call
         self.head_request = head_request
         self.conn: UpstreamConnection | None = None
         self.timer: asyncio.TimerHandle | None = None

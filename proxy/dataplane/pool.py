@@ -104,7 +104,8 @@ class UpstreamConnection(asyncio.Protocol):
 class UpstreamPool:
     """Free keep-alive connections per endpoint, most recently used first."""
 
-    def __init__(self) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop  # the loop the connections live on (asyncio.get_running_loop() costs a getpid())
         self._free: dict[Endpoint, dict[UpstreamConnection, None]] = {}
         self._endpoints: dict[str, Endpoint] = {}
         self._tls: ssl.SSLContext | None = None
@@ -156,7 +157,7 @@ class UpstreamPool:
         if len(free) >= MAX_FREE_PER_ENDPOINT:
             conn.close()
             return
-        conn.idle_since = asyncio.get_running_loop().time()
+        conn.idle_since = (self._loop or asyncio.get_running_loop()).time()
         free[conn] = None
 
     def forget(self, conn: UpstreamConnection) -> None:

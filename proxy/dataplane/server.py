@@ -144,7 +144,7 @@ class DataPlane:
         self.limits = proxy_cfg.limits
         self.max_body = proxy_cfg.max_body_bytes
         self.client_auth = client_auth
-        self.pool = UpstreamPool()
+        self.pool = UpstreamPool(self.loop)
         self.journey = Journey(dispatcher, registry, metrics, self.pool, new_instance_id())
         self.internal = Endpoint.unix(internal_socket)
         self.internal_timeouts = proxy_cfg.timeouts.model_copy(update={"idle_s": INTERNAL_IDLE_S, "total_s": None})
