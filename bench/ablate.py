@@ -15,10 +15,13 @@ MODULE_KNOBS = {
     "prefix_weight": "proxy.routing.kv_aware.PREFIX_WEIGHT",
     "queue_weight": "proxy.routing.kv_aware.QUEUE_WEIGHT",
     "prefix_saturation": "proxy.routing.kv_aware.PREFIX_SATURATION_TOKENS",
+    "prefix_by_share": "proxy.routing.kv_aware.PREFIX_BY_SHARE",
     "forget_after": "proxy.loadview.DISPATCH_FORGET_AFTER_S",
     # kv_cost (the time-unit model) and the estimator behind it
     "resolution": "proxy.routing.kv_cost.RESOLUTION_S",
     "shortlist": "proxy.routing.kv_cost.SHORTLIST",
+    "preempt": "proxy.routing.kv_cost.PREEMPT_FACTOR",
+    "growth": "proxy.routing.kv_cost.GROWTH_SHARE",
     "prior_prefill_rate": "proxy.routing.estimator.PRIOR_PREFILL_TOKENS_PER_S",
     "prior_vision_extra": "proxy.routing.estimator.PRIOR_VISION_EXTRA",
     "forget": "proxy.routing.estimator.FORGET",

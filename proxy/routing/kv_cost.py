@@ -85,6 +85,10 @@ _RANDBELOW = getattr(random.Random, "_randbelow_with_getrandbits", None)
 # Learn the prefill parameters only from requests predicted to have waited little: the queue
 # estimate's error would otherwise be fitted as prefill cost.
 LEARN_MAX_QUEUE_SHARE = 0.25
+# Preemption pricing (see the docstring's preempt(w)): the share of a running request's mean output still
+# to come, and seconds of recompute per overflowing token in units of s_tok (0: not priced).
+GROWTH_SHARE = 0.5
+PREEMPT_FACTOR = 0.0
 _NOT_ANY: frozenset[str] = frozenset()
 
 
@@ -173,6 +177,12 @@ def _terms(load: LoadSnapshot, model: WorkerModel, prompt: int, media: int, outp
     work = s_tok * uncached + s_vis * media_uncached
     saturation = fleet_waiting if fleet_waiting > backlog else backlog
     prefill, evict, delay = bias + work, s_tok * evicted, saturation * work
+    if PREEMPT_FACTOR:
+        # running requests still grow by their remaining output: KV past capacity is preempted and recomputed
+        output_bar = kv_bar - prefill_bar
+        overflow = committed + need + (load.running * output_bar * GROWTH_SHARE if output_bar > 0.0 else 0.0) - capacity
+        if overflow > 0.0:
+            evict += PREEMPT_FACTOR * s_tok * (overflow if overflow < need else need)
     return queue, prefill, evict, delay, cached, uncached, media_uncached, queue + prefill + evict + delay
 
 

@@ -199,6 +199,14 @@ async def test_load_reports_show_kv_usage_under_load(fleet):
     # Once idle, the engines say so again.
     wait_until(lambda: all(((w.get("last_report") or {}).get("num_running", 1) == 0)
                            for w in fleet.workers_view().values()), 30, 0.2, "reports to show idle engines")
+    # The reports carry the engine's own prefill rate and decode step time (vLLM's histograms), which
+    # the routing model learns from: plausible figures for a tiny model on a CPU.
+    reports = [w.get("last_report") or {} for w in fleet.workers_view().values()]
+    measured = [r for r in reports if r.get("prefill_tokens_per_s") and r.get("decode_step_s")]
+    assert measured, reports
+    for report in measured:
+        assert 10 < report["prefill_tokens_per_s"] < 10_000_000
+        assert 0.0001 < report["decode_step_s"] < 5
 
 
 async def test_unreachable_image_urls_get_a_4xx_each_and_valid_requests_meanwhile_are_served(fleet):

@@ -104,12 +104,13 @@ def test_losing_a_worker_machine_mid_load_disturbs_only_what_ran_there(net, tmp_
     failed_later = [o for o in load.failures(killed_at, settled) if o.started > killed_at]
     on_b = [o for o in in_flight if o.worker in ("b-0", "b-1")]
     print(f"\n[machine loss] b's workers out of the routing set after {gone_after:.2f} s; in flight at the kill: "
-          f"{len(in_flight)} ({len(on_b)} streaming from b), failed: {len(failed_in_flight)} (streams b broke after "
-          f"their first byte: no migration yet); failed requests sent after the kill: {len(failed_later)}; "
+          f"{len(in_flight)} ({len(on_b)} from b), failed: {len(failed_in_flight)}; "
+          f"failed requests sent after the kill: {len(failed_later)}; "
           f"{len(load.snapshot())} requests in all")
-    # What failed is only what b was streaming, ended with OpenAI's error event (no silent truncation).
-    assert all(o.worker in ("b-0", "b-1") and "worker_failed" in (o.error or "") for o in failed_in_flight), \
-        [(o.worker, o.error) for o in failed_in_flight]
+    # Nothing in flight failed: what b was streaming past its first byte continued on c as the same stream
+    # (migration), what it had not answered yet was retried there.
+    assert on_b, "nothing was in flight on b when it died"
+    assert not failed_in_flight, [(o.worker, o.error) for o in failed_in_flight]
     assert gone_after <= STALE_AFTER_S + 2.0, f"b's workers were still routable {gone_after:.2f} s after the loss"
     assert not failed_later, [o.error for o in failed_later][:5]  # requests sent after the loss all succeed
     assert served_after == {"c-0"}, served_after  # the machine left untouched kept serving

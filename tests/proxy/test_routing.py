@@ -88,6 +88,23 @@ def test_kv_aware_lets_go_of_the_prefix_when_its_worker_is_much_busier():
     assert policy.select([a, b], request("q2", system=system), NOW + 2).worker is other
 
 
+def test_kv_aware_weighs_a_shared_head_by_the_share_of_the_prompt_it_saves():
+    policy = make_policy("kv_aware", deps())
+    system = "Shared instructions. " * 200  # ~1000 tokens held by the worker that served it first
+    a, b = worker("a", 0.2), worker("b", 0.2)
+    holder = dispatch(policy, [a, b], request("q0", system=system)).worker
+    other = b if holder is a else a
+    holder.load.record_reading(EngineReading(0.45, 10, 0, 100_000), NOW + 1, "report")
+    other.load.record_reading(EngineReading(0.2, 10, 0, 100_000), NOW + 1, "report")
+    # A short question after the head: the head is most of its prompt, so it stays with the holder
+    # although the holder is fuller.
+    assert policy.select([a, b], request("q1", system=system), NOW + 1).worker is holder
+    # A long document after the same head: the head saves a small part of its prefill, so it goes
+    # where the load is lower instead of piling onto the holder.
+    document = " ".join(f"paragraph{i} of a long report" for i in range(1500))
+    assert policy.select([a, b], request(document, system=system), NOW + 1).worker is other
+
+
 def test_kv_aware_counts_queued_requests():
     policy = make_policy("kv_aware", deps())
     queued, idle = worker("queued", 0.3, waiting=20), worker("idle", 0.5)
