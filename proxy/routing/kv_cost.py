@@ -39,6 +39,12 @@ candidate worker w whose cache holds its first c tokens (prefix index depth), ca
 
     cost(w)    = ttft(w) + evict(w) + delay(w)
 
+    preempt(w) = PREEMPT_FACTOR x s_tok x min(n, committed + n + R x GROWTH_SHARE x o_bar - K)+
+                 # an experiment, off by default (PREEMPT_FACTOR 0), added to evict(w) when on: running
+                 # requests still grow by their remaining output (o_bar = kv_bar - u_bar), and KV past the
+                 # capacity is preempted and recomputed. At 1 it did not reduce kv_cost's preemptions in
+                 # the lengths family (22-40 per 1000 requests, kv_aware 15-17; 2026-12-01, 2 repeats).
+
 The request goes to the lowest cost. Costs within RESOLUTION_S of each other are equal (the
 model is not more precise than that); ties go to the lowest projected KV usage (less preemption
 risk, faster decode steps), then fewest in flight, then at random. T (first token -> completion)
@@ -85,7 +91,7 @@ _RANDBELOW = getattr(random.Random, "_randbelow_with_getrandbits", None)
 # Learn the prefill parameters only from requests predicted to have waited little: the queue
 # estimate's error would otherwise be fitted as prefill cost.
 LEARN_MAX_QUEUE_SHARE = 0.25
-# Preemption pricing (see the docstring's preempt(w)): the share of a running request's mean output still
+# Preemption pricing (the docstring's preempt(w)): the share of a running request's mean output still
 # to come, and seconds of recompute per overflowing token in units of s_tok (0: not priced).
 GROWTH_SHARE = 0.5
 PREEMPT_FACTOR = 0.0

@@ -86,6 +86,16 @@ def test_verdict_names_each_missed_criterion_and_the_markdown_comes_from_the_row
     assert "NOT MEANINGFUL" in md and "1100 (1000-1200)" in md  # mean (min-max) over the two repeats
 
 
+def test_a_peer_that_lost_requests_is_not_the_bar_while_another_served_everything():
+    fast_but_failing = {**_row("sglang-router:cache_aware", 0.2), "makespan_s": 30.0, "failed": 90}
+    rows = [_row("kvroute:default", 0.6), fast_but_failing, {**_row("vllm-router:cache_aware", 1.0), "makespan_s": 60.0}]
+    text = verdicts(aggregate(rows))[0][2]
+    assert text.startswith("meets the bar") and "sglang-router:cache_aware, which lost 90 requests" in text
+    # with no peer serving everything, the failing one is the bar all the same
+    text = verdicts(aggregate(rows[:2]))[0][2]
+    assert "makespan 50.00 vs best peer 30.00" in text
+
+
 def test_small_runs_are_quick_and_go_outside_the_results_folder():
     assert is_quick(999, 3) and is_quick(1000, 2) and not is_quick(1000, 3)
     assert "results" not in QUICK_DIR.parts
