@@ -22,10 +22,11 @@ share(w) weighs the prefix by the part of the prompt it saves (as sglang-router'
 only follows a match covering enough of the request): a 500-token shared head on an 8000-token
 prompt saves 6% of its prefill, so that prompt goes where the load is lowest instead of piling
 onto the head's holder; a system prompt, image or session history that is most of the prompt
-keeps its whole weight. In `kvroute bench quality` (lengths family, closed loop, 2 repeats, one
-run) this cut TTFT p99 from 2163-2213 to 2037-2062 ms and preemptions from 15-17 to 7-8 and evened
-requests per worker; kv_pressure and zipf_hot were unchanged (`kv_aware@prefix_by_share=False`
-runs the old scoring).
+keeps its whole weight. Side by side in `kvroute bench quality` (lengths family, closed loop, 3
+repeats; bench/results/2026-12-01-quality-prefix-share.md) it evened requests per worker and cut
+preemptions from 7 to 4 per 1000 requests and TTFT p50 from 126 to 117 ms, with TTFT p99 and
+makespan equal within the spread; kv_pressure and zipf_hot were unchanged in a 2-repeat check
+(`kv_aware@prefix_by_share=False` runs the old scoring).
 
 Scale: admission hands select_from() a roster (proxy/routing/candidates.py) that keeps its members
 sorted by (round(load_cost, 9), in flight) as their loads change; load_cost is cost without the
