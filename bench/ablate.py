@@ -20,8 +20,6 @@ MODULE_KNOBS = {
     # kv_cost (the time-unit model) and the estimator behind it
     "resolution": "proxy.routing.kv_cost.RESOLUTION_S",
     "shortlist": "proxy.routing.kv_cost.SHORTLIST",
-    "preempt": "proxy.routing.kv_cost.PREEMPT_FACTOR",
-    "growth": "proxy.routing.kv_cost.GROWTH_SHARE",
     "prior_prefill_rate": "proxy.routing.estimator.PRIOR_PREFILL_TOKENS_PER_S",
     "prior_vision_extra": "proxy.routing.estimator.PRIOR_VISION_EXTRA",
     "forget": "proxy.routing.estimator.FORGET",

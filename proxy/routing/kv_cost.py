@@ -39,11 +39,9 @@ candidate worker w whose cache holds its first c tokens (prefix index depth), ca
 
     cost(w)    = ttft(w) + evict(w) + delay(w)
 
-    preempt(w) = PREEMPT_FACTOR x s_tok x min(n, committed + n + R x GROWTH_SHARE x o_bar - K)+
-                 # an experiment, off by default (PREEMPT_FACTOR 0), added to evict(w) when on: running
-                 # requests still grow by their remaining output (o_bar = kv_bar - u_bar), and KV past the
-                 # capacity is preempted and recomputed. At 1 it did not reduce kv_cost's preemptions in
-                 # the lengths family (22-40 per 1000 requests, kv_aware 15-17; 2026-12-01, 2 repeats).
+    Tried and dropped (2026-12-01): pricing the KV that running requests' remaining output would push
+    past the capacity as recompute did not reduce kv_cost's preemptions in the lengths family (22-40 per
+    1000 requests, kv_aware's 15-17).
 
 The request goes to the lowest cost. Costs within RESOLUTION_S of each other are equal (the
 model is not more precise than that); ties go to the lowest projected KV usage (less preemption
@@ -91,10 +89,6 @@ _RANDBELOW = getattr(random.Random, "_randbelow_with_getrandbits", None)
 # Learn the prefill parameters only from requests predicted to have waited little: the queue
 # estimate's error would otherwise be fitted as prefill cost.
 LEARN_MAX_QUEUE_SHARE = 0.25
-# Preemption pricing (the docstring's preempt(w)): the share of a running request's mean output still
-# to come, and seconds of recompute per overflowing token in units of s_tok (0: not priced).
-GROWTH_SHARE = 0.5
-PREEMPT_FACTOR = 0.0
 _NOT_ANY: frozenset[str] = frozenset()
 
 
@@ -183,12 +177,6 @@ def _terms(load: LoadSnapshot, model: WorkerModel, prompt: int, media: int, outp
     work = s_tok * uncached + s_vis * media_uncached
     saturation = fleet_waiting if fleet_waiting > backlog else backlog
     prefill, evict, delay = bias + work, s_tok * evicted, saturation * work
-    if PREEMPT_FACTOR:
-        # running requests still grow by their remaining output: KV past capacity is preempted and recomputed
-        output_bar = kv_bar - prefill_bar
-        overflow = committed + need + (load.running * output_bar * GROWTH_SHARE if output_bar > 0.0 else 0.0) - capacity
-        if overflow > 0.0:
-            evict += PREEMPT_FACTOR * s_tok * (overflow if overflow < need else need)
     return queue, prefill, evict, delay, cached, uncached, media_uncached, queue + prefill + evict + delay
 
 
