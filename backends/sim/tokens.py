@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import io
 import math
@@ -41,6 +42,14 @@ MIN_PIXELS = 65_536
 MAX_PIXELS = 16_777_216
 DEFAULT_IMAGE_SIZE = (1280, 720)
 DEFAULT_VIDEO_FRAMES, DEFAULT_VIDEO_SIZE, VIDEO_TEMPORAL_PATCH = 16, (640, 360), 2
+
+# Tokenizing is most of the sim's CPU per request (py-spy, kv_pressure closed loop: 30% of its samples, the
+# engine's steps 9%): texts this long and images are remembered, as a fleet sees the same system prompts,
+# images and session histories again and again. On 2 cores a burst of such requests otherwise starved the
+# engines' step loops (bench quality's engine lag).
+_CACHE_MIN_CHARS = 256
+_IMAGE_CACHE_SIZE = 256
+_IMAGES: dict[tuple[int, int], tuple[int, int]] = {}
 
 # CJK first: those characters are also \w letters, but Qwen spends about one token on each
 _PIECE = re.compile(r"[\u3000-\u9fff\uac00-\ud7af]| ?[^\W\d_\u3000-\u9fff\uac00-\ud7af]+|\d|\s+|[^\w\s]|_")
@@ -67,6 +76,17 @@ class Prompt:
 
 
 def text_token_ids(text: str) -> list[int]:
+    if len(text) >= _CACHE_MIN_CHARS:  # a system prompt, a document, a session's history: seen again and again
+        return list(_long_text_ids(text))
+    return _text_ids(text)
+
+
+@functools.lru_cache(maxsize=512)
+def _long_text_ids(text: str) -> tuple[int, ...]:
+    return tuple(_text_ids(text))
+
+
+def _text_ids(text: str) -> list[int]:
     ids: list[int] = []
     for piece in _PIECE.findall(text):
         # a word (optionally with its leading space) costs one token per 6 characters; the rest one each
@@ -115,6 +135,16 @@ def _media_key(source: bytes) -> int:
 
 def image_placeholder(url: str) -> tuple[int, int]:
     """(number of tokens, hash key) of one image URL."""
+    key = (len(url), hash(url))  # not the URL itself: a data URL can be megabytes
+    found = _IMAGES.get(key)
+    if found is None:
+        found = _IMAGES[key] = _image_placeholder(url)
+        if len(_IMAGES) > _IMAGE_CACHE_SIZE:
+            del _IMAGES[next(iter(_IMAGES))]  # the oldest entry
+    return found
+
+
+def _image_placeholder(url: str) -> tuple[int, int]:
     if url.startswith("data:"):
         data = _decode_data_url(url)
         try:
@@ -134,8 +164,9 @@ def video_placeholder(url: str) -> tuple[int, int]:
     return per_frame * (DEFAULT_VIDEO_FRAMES // VIDEO_TEMPORAL_PATCH), _media_key(source)
 
 
-def _media_ids(count: int, key: int) -> list[int]:
-    return [MEDIA_ID_BASE + ((key * 65_537 + i) % MEDIA_ID_BASE) for i in range(count)]
+@functools.lru_cache(maxsize=256)
+def _media_ids(count: int, key: int) -> tuple[int, ...]:
+    return tuple(MEDIA_ID_BASE + ((key * 65_537 + i) % MEDIA_ID_BASE) for i in range(count))
 
 
 def _part_url(part: dict[str, Any], kind: str) -> str:

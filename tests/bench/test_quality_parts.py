@@ -8,8 +8,9 @@ from __future__ import annotations
 import copy
 
 from backends.sim.presets import get_preset
+from bench.loadgen import Result, RunResult
 from bench.oracle import _common, effective_cached, predict_ttft_s
-from bench.quality import QUICK_DIR, aggregate, is_quick, render, verdicts
+from bench.quality import QUICK_DIR, aggregate, is_quick, render, ttft_p99_after_first_wave, verdicts
 from bench.workloads import KINDS, MODEL_B, generate, load_or_generate
 
 
@@ -107,3 +108,15 @@ def test_oracle_counts_a_prefix_being_computed_there_as_good_as_cached():
     assert effective_cached(probe) == 3200 and effective_cached(probe, in_transit_match=3984) == 3984
     preset = get_preset("h100-qwen3-vl-8b")
     assert predict_ttft_s(preset, probe) < predict_ttft_s(preset, _probe())
+
+
+def test_closed_loop_tail_after_the_first_wave_leaves_out_the_cold_start():
+    """Every client's first request meets a cold fleet at once: that wave is reported apart from the loop's tail."""
+    cold = [Result(i, "", 200, sent_at=0.0, latency_s=2.0, ttft_s=1.5 + i / 100) for i in range(20)]
+    warm = [Result(20 + i, "", 200, sent_at=2.0 + i / 10, latency_s=0.5, ttft_s=0.1 + i / 1000) for i in range(200)]
+    run = RunResult(cold + warm, wall_s=25.0, started_at=0.0)
+    assert 0.1 < ttft_p99_after_first_wave(run) < 0.3  # the cold requests' 1.5 s are not in it
+    rows = [{**_row("kvroute:default", 1.6), "ttft_p99_warm": 0.2}, {**_row("sglang-router:cache_aware", 1.4),
+                                                                     "ttft_p99_warm": 0.5}]
+    text = verdicts(aggregate(rows))[0][2]
+    assert "TTFT p99 1600 ms" in text and "(after the first wave: p99 200 ms vs best peer's 500 ms)" in text

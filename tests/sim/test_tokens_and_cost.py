@@ -26,6 +26,24 @@ def test_text_estimate_is_deterministic_and_prefix_stable():
     assert 1.0 <= count_text_tokens(text) / words <= 1.6  # near Qwen's BPE on English prose
 
 
+def test_remembered_prompts_give_the_same_ids_and_callers_cannot_change_them():
+    """Long texts and images are tokenized once per sim (tokens.py): what a caller does with the ids it got
+    must not change what the next request with the same text or image gets."""
+    system = "You answer questions about the fleet. " * 40  # long enough to be remembered
+    image = png_data_url(320, 320, color=(9, 9, 9))
+    msgs = [{"role": "system", "content": system},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
+                                         {"type": "text", "text": "what is it?"}]}]
+    first = chat_prompt(msgs)
+    first.token_ids.clear()
+    ids = text_token_ids(system)
+    ids.append(7)
+    again = chat_prompt(msgs)
+    assert again.token_ids == chat_prompt(msgs).token_ids and len(again.token_ids) > 400
+    assert text_token_ids(system) == ids[:-1]
+    assert again.num_media_tokens == 100
+
+
 @pytest.mark.parametrize(("size", "tokens"), [
     ((1024, 1024), 1024),  # 32x32 px per token
     ((640, 480), 300),  # 20 x 15
