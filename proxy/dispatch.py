@@ -206,6 +206,11 @@ class Dispatcher:
         self.admission.wake()  # a released waiter is placed: the next head sees this dispatch
         return ticket
 
+    @staticmethod
+    def first_output(ticket: InFlight) -> None:
+        """The attempt's first generated output reached the proxy (its prefill is done)."""
+        ticket.decision.worker.load.first_output(ticket.dispatch)
+
     def end(self, ticket: InFlight, first_byte_at: float | None) -> None:
         """One upstream attempt is over, whatever the outcome; call exactly once per begin()."""
         ticket.decision.worker.load.finish_request(ticket.dispatch)

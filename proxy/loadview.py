@@ -38,13 +38,14 @@ DEFAULT_CAPACITY_TOKENS = 32768
 class Dispatch:
     """One request sent to a worker: its KV and prefill estimates, and whether it still counts as pending."""
 
-    __slots__ = ("at", "kv_tokens", "prefill_tokens", "pending")
+    __slots__ = ("at", "kv_tokens", "prefill_tokens", "pending", "prefilling")
 
     def __init__(self, at: float, kv_tokens: int, prefill_tokens: int = 0) -> None:
         self.at = at
         self.kv_tokens = kv_tokens
         self.prefill_tokens = prefill_tokens
         self.pending = True
+        self.prefilling = True  # no output seen yet: its prompt is still ahead in the engine's prefill work
 
 
 @dataclass(slots=True)
@@ -63,7 +64,8 @@ class WorkerLoad:
 
     __slots__ = ("_capacity", "reading", "reading_at", "reading_source", "_pending", "_pending_tokens",
                  "_pending_count", "_pending_prefill", "in_flight", "in_flight_tokens", "dispatched_total",
-                 "finished_since_reading", "version", "_snapshot", "_snapshot_version", "watchers")
+                 "finished_since_reading", "version", "_snapshot", "_snapshot_version", "watchers",
+                 "prefill_backlog")
 
     def __init__(self, capacity_tokens: int | None = None) -> None:
         self._capacity = capacity_tokens or DEFAULT_CAPACITY_TOKENS
@@ -84,6 +86,9 @@ class WorkerLoad:
         # requests finished since the newest reading: each one let the engine admit one of the
         # requests it reported waiting (or was one of them, if it was sent just before the reading)
         self.finished_since_reading = 0
+        # prompt tokens to prefill of the requests in flight here that have not produced output yet: the proxy's
+        # own exact count (no report lag) of the prefill work a request sent now would queue behind
+        self.prefill_backlog = 0
         # called as watcher.load_changed(self) after each event that changes the views below
         self.watchers: tuple[LoadWatcher, ...] = ()
 
@@ -133,15 +138,28 @@ class WorkerLoad:
         self._pending_tokens += kv_tokens
         self._pending_count += 1
         self._pending_prefill += prefill_tokens
+        self.prefill_backlog += prefill_tokens
         if self.watchers:
             self._changed()
         return dispatch
+
+    def first_output(self, dispatch: Dispatch) -> None:
+        """The request's first generated output came back: its prefill is behind the engine."""
+        if dispatch.prefilling:
+            dispatch.prefilling = False
+            self.prefill_backlog -= dispatch.prefill_tokens
+            self.version += 1
+            if self.watchers:
+                self._changed()
 
     def finish_request(self, dispatch: Dispatch) -> None:
         self.version += 1
         self.in_flight -= 1
         self.in_flight_tokens -= dispatch.kv_tokens
         self.finished_since_reading += 1
+        if dispatch.prefilling:
+            dispatch.prefilling = False
+            self.prefill_backlog -= dispatch.prefill_tokens
         self._uncount(dispatch)
         if self.watchers:
             self._changed()

@@ -128,6 +128,7 @@ class Worker:
             "in_flight": load.in_flight, "dispatched_total": load.dispatched_total,
             "kv_capacity_tokens": load.capacity_tokens, "max_model_len": self.max_model_len,
             "projected_kv_usage": round(load.projected_kv_usage(now), 4), "queue_depth": load.queue_depth(now),
+            "prefill_backlog_tokens": load.prefill_backlog,
             "reading_source": load.reading_source, "reading_age_s": age,
             "last_report": self.last_report.model_dump(mode="json") if self.last_report else None,
             "breaker_open": self.breaker.is_open(now), "stalled": self.stalled_at is not None,

@@ -26,6 +26,8 @@ from proxy.dataplane.pool import Endpoint, UpstreamConnection, UpstreamPool
 from proxy.errors import error_body
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from proxy.dataplane.stall import Pulse
 
 log = logging.getLogger("kvroute.dataplane")
@@ -89,7 +91,8 @@ class Exchange:
                  "headers", "parts", "size", "out", "complete", "interim", "sse", "framing", "first_byte_at",
                  "last_activity", "first_byte_deadline", "timer", "got_head", "paused", "ends_clean",
                  "head_request", "close_delimited", "total_deadline", "keep_alive", "index", "held_head",
-                 "tracker", "resumed", "pulse", "stall_detail", "streaming", "timer_at")
+                 "tracker", "resumed", "pulse", "stall_detail", "streaming", "timer_at", "on_output",
+                 "events_seen")
 
     def __init__(self, client: Client, mode: int, extra_headers: bytes, timeouts: Timeouts,
                  head_request: bool = False, tracker: StreamTracker | None = None, resumed: bool = False,
@@ -109,6 +112,10 @@ class Exchange:
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = 0.0
         self.total_deadline: float | None = None
+        # called once when a stream's first generated output arrives (the routing's prefill backlog): its second
+        # event, as vLLM sends the role chunk with the first token and the sim sends it at once
+        self.on_output: Callable[[], None] | None = None
+        self.events_seen = 0
         self._reset()
 
     def _reset(self) -> None:
@@ -221,9 +228,13 @@ class Exchange:
         state = self.state
         if state == _RELAY:
             self.out.append(body)
+            if self.on_output is not None:
+                self._count_events(body)
         elif state == _FIRST:
             self._commit_relay()
             self.out.append(body)
+            if self.on_output is not None:
+                self._count_events(body)
         else:
             self.parts.append(body)
             self.size += len(body)
@@ -356,6 +367,12 @@ class Exchange:
 
     def _past_total(self) -> bool:
         return self.total_deadline is not None and self.loop.time() >= self.total_deadline
+
+    def _count_events(self, body: bytes) -> None:
+        self.events_seen += body.count(b"\n\n")
+        if self.events_seen >= 2:
+            callback, self.on_output = self.on_output, None
+            callback()  # type: ignore[misc]
 
     # --- committing to the client and relaying -------------------------------------------------
     def _head(self, framing: int, length: int = 0) -> bytes:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 from proxy.dataplane import http, migration
@@ -190,6 +191,8 @@ class Journey:
         exchange = Exchange(client, mode, extra, dispatcher.proxy_config.timeouts, tracker=tracker, resumed=resumed,
                             pulse=pulse)
         ticket = dispatcher.begin(decision, policy, routed)
+        if routed.stream and ticket.dispatch.prefill_tokens:
+            exchange.on_output = partial(dispatcher.first_output, ticket)  # ends its part of the prefill backlog
         outcome: Retryable | Relayed | None = None
         try:
             outcome = await exchange.send(self.pool, endpoint, request)

@@ -28,6 +28,16 @@ preemptions from 7 to 4 per 1000 requests and TTFT p50 from 126 to 117 ms, with 
 makespan equal within the spread; kv_pressure and zipf_hot were unchanged in a 2-repeat check
 (`kv_aware@prefix_by_share=False` runs the old scoring).
 
+Prefill backlog (off by default): cost(w) may add BACKLOG_WEIGHT * prefill_backlog(w) / capacity, the
+prompt tokens in flight on w that have not produced output yet (loadview.py; exact, from the proxy's own
+relay, no report lag). Tried at weights 1 and 3 against 0 (`kvroute bench quality --families
+kv_pressure,zipf_hot,bursts --loads closed --routes kvroute:kv_aware,kvroute:kv_aware@backlog_weight=1,
+kvroute:kv_aware@backlog_weight=3 --repeats 2`, a quick run): makespan, TTFT p99 and p99 after the first
+wave moved within the run's spread in all three families, so it stays 0. The closed loop's tail is its
+first wave (every client's first request onto the cold fleet at once), and on this 2-core box that wave
+is set by CPU: with identical round-robin placement kvroute's first-wave p99 was 1.13-1.24x
+sglang-router's (bench/results/2026-12-01-quality-cold-wave-round-robin.md), not by placement.
+
 Scale: admission hands select_from() a roster (proxy/routing/candidates.py) that keeps its members
 sorted by (round(load_cost, 9), in flight) as their loads change; load_cost is cost without the
 prefix term, computed with the same arithmetic. For a worker the prefix index does not name, that
@@ -59,6 +69,8 @@ PREFIX_WEIGHT = 1.0
 PREFIX_SATURATION_TOKENS = 1024
 # Weigh the prefix term by the share of the prompt the worker holds (the docstring's share(w))
 PREFIX_BY_SHARE = True
+# Weight of the prefill backlog (prompt tokens in flight there without output yet, / KV capacity): see the docstring
+BACKLOG_WEIGHT = 0.0
 # select_from() scores this many of the least loaded candidates plus the prefix holders (module docstring).
 SHORTLIST = 8
 
@@ -66,7 +78,7 @@ SHORTLIST = 8
 def load_cost(load: WorkerLoad) -> float:
     """cost() of a worker holding no prefix of the request, as of its load's last event (the roster's key)."""
     usage, queue = load.usage_and_queue()
-    return usage + QUEUE_WEIGHT * queue
+    return usage + QUEUE_WEIGHT * queue + BACKLOG_WEIGHT * load.prefill_backlog / load.capacity_tokens
 
 
 def prefix_bonus(request: RoutedRequest, cached: int) -> float:
@@ -98,7 +110,8 @@ class KvAwarePolicy(Policy):
         for worker in candidates:
             load = worker.load
             cached = cached_tokens(request, depths.get(worker.worker_id, 0))
-            cost = load.projected_kv_usage(now) + QUEUE_WEIGHT * load.queue_depth(now) - prefix_bonus(request, cached)
+            cost = (load.projected_kv_usage(now) + QUEUE_WEIGHT * load.queue_depth(now)
+                    + BACKLOG_WEIGHT * load.prefill_backlog / load.capacity_tokens - prefix_bonus(request, cached))
             scores[worker.worker_id] = cost
             key = (round(cost, 9), load.in_flight)
             if key < best_key:
@@ -113,8 +126,8 @@ class KvAwarePolicy(Policy):
             log.debug("model=%s prompt_tokens=%d candidates=%s -> %s (cached %d tokens)", request.model,
                       request.prompt_tokens, self._explain(candidates, scores, depths, request, now),
                       best.worker_id, best_cached)
-        kv_tokens = max(0, request.prompt_tokens - best_cached) + request.expected_output_tokens
-        return Decision(best, "lowest_cost", kv_tokens, scores)
+        prefill = max(0, request.prompt_tokens - best_cached)
+        return Decision(best, "lowest_cost", prefill + request.expected_output_tokens, scores, prefill_tokens=prefill)
 
     def select_from(self, candidates: Candidates, request: RoutedRequest, now: float) -> Decision:
         roster = candidates.roster
@@ -135,7 +148,8 @@ class KvAwarePolicy(Policy):
                     continue
                 load = member.load
                 cached = cached_tokens(request, depth)
-                cost = load.projected_kv_usage(now) + QUEUE_WEIGHT * load.queue_depth(now) - prefix_bonus(request, cached)
+                cost = (load.projected_kv_usage(now) + QUEUE_WEIGHT * load.queue_depth(now)
+                        + BACKLOG_WEIGHT * load.prefill_backlog / load.capacity_tokens - prefix_bonus(request, cached))
                 scores[wid] = cost
                 holders.append((member.worker, cached, (round(cost, 9), load.in_flight)))
         # every other candidate costs its order key: the first SHORTLIST of them are the cheapest
@@ -172,8 +186,8 @@ class KvAwarePolicy(Policy):
             log.debug("model=%s prompt_tokens=%d scored %d of %d candidates: %s -> %s (cached %d tokens)",
                       request.model, request.prompt_tokens, len(scored), len(candidates),
                       self._explain(scored, scores, depths, request, now), best.worker_id, best_cached)
-        kv_tokens = max(0, request.prompt_tokens - best_cached) + request.expected_output_tokens
-        return Decision(best, "lowest_cost", kv_tokens, scores)
+        prefill = max(0, request.prompt_tokens - best_cached)
+        return Decision(best, "lowest_cost", prefill + request.expected_output_tokens, scores, prefill_tokens=prefill)
 
     def _among_tied(self, roster: Roster, entries: Sequence[Entry], key: tuple[float, int],
                     tied_holders: Sequence[tuple[Worker, int]], depths: dict[str, int],

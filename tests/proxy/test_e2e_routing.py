@@ -12,6 +12,7 @@ import pytest
 from PIL import Image
 
 from tests.proxy.fleet import FakeReports
+from tests.support.procs import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -93,3 +94,25 @@ def test_a_repeated_image_keeps_going_to_the_same_worker(fleet):
         assert resp.status_code == 200, resp.text
         served.append(resp.headers["x-kvroute-worker"])
     assert len(set(served)) == 1, (served, fleet.workers())
+
+
+def test_a_streamed_prompt_counts_in_its_workers_prefill_backlog_until_its_first_token(fleet):
+    """The proxy's own view of the prefill work ahead on a worker (no report lag): a prompt is in it from its
+    dispatch until its first generated token comes back, then out while the answer still streams."""
+    fleet.start_proxy()
+    # an 8B model on an H100, slowed 10x: a ~2600-token prefill takes about a second of wall time
+    fleet.start_sims(1, time_scale=0.1, extra=("--preset", "h100-qwen3-vl-8b"))
+    words = ("alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "light")
+    prompt = " ".join(words[i % len(words)] for i in range(2000))
+    body = {"model": "m1", "messages": [{"role": "user", "content": prompt}], "max_tokens": 200, "stream": True}
+    with fleet.http.stream("POST", fleet.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        ahead = wait_until(lambda: (lambda w: w if w["prefill_backlog_tokens"] > 1000 else None)(
+            fleet.worker("sim-0")), 20, 0.02, "the prompt in the worker's prefill backlog")
+        assert ahead["in_flight"] == 1
+        after = None
+        for line in resp.iter_lines():
+            if '"content":"' in line and '"content":""' not in line:  # the first token reached the client
+                after = fleet.worker("sim-0")  # (before leaving the loop: that closes the stream)
+                break
+    assert after is not None and after["in_flight"] == 1 and after["prefill_backlog_tokens"] == 0, after

@@ -27,6 +27,20 @@ def test_a_later_report_absorbs_what_it_already_includes():
     assert load.pending_requests() == 1
 
 
+def test_the_prefill_backlog_counts_prompts_until_their_first_output_whatever_the_reports_say():
+    load = WorkerLoad(capacity_tokens=10_000)
+    first = load.start_request(1200, now=1.0, prefill_tokens=1000)
+    second = load.start_request(700, now=1.0, prefill_tokens=600)
+    load.record_reading(EngineReading(0.0, 0, 2), now=1.5, source="report")  # the reading absorbs the pending...
+    assert load.pending_requests() == 0 and load.prefill_backlog == 1600  # ...not the backlog
+    load.first_output(first)
+    load.first_output(first)  # once only
+    assert load.prefill_backlog == 600
+    load.finish_request(first)
+    load.finish_request(second)  # finished (or failed) without output: no longer ahead either
+    assert load.prefill_backlog == 0
+
+
 def test_without_any_reading_in_flight_counts_stand_in():
     load = WorkerLoad(capacity_tokens=1000)
     first = load.start_request(100, now=1.0)
