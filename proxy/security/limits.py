@@ -365,14 +365,10 @@ def return_large_frees_to_the_os() -> bool:
     adjustment and freed bodies go back to the OS at once. Call at process start; False where the
     C library is not glibc (nothing changes).
     """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if not name:
+    libc = _libc()
+    if libc is None:
         return False
     try:
-        libc = ctypes.CDLL(name)
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
-    except (OSError, AttributeError):
+    except AttributeError:
         return False
