@@ -149,7 +149,8 @@ class BodyBudget:
         self._trim = None
         if self.held == 0:
             self._since_trim = 0
-            trim_freed_memory()
+            # a few ms on a large heap: off the event loop (ctypes lets go of the GIL; glibc locks its arenas)
+            asyncio.get_running_loop().run_in_executor(None, trim_freed_memory)
 
 
 # --- middleware ----------------------------------------------------------------------------
