@@ -27,6 +27,7 @@ def procs(tmp_path, request) -> Iterator[ProcessGroup]:
 EXCLUSIVE = ("tests/multihost/", "tests/e2e/", "tests/fleet/test_ray.py")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads xdist_group into the node ids
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         path = item.nodeid.split("::", 1)[0]
