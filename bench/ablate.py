@@ -17,6 +17,7 @@ MODULE_KNOBS = {
     "prefix_saturation": "proxy.routing.kv_aware.PREFIX_SATURATION_TOKENS",
     "prefix_by_share": "proxy.routing.kv_aware.PREFIX_BY_SHARE",
     "backlog_weight": "proxy.routing.kv_aware.BACKLOG_WEIGHT",
+    "cached_credit": "proxy.routing.kv_aware.CACHED_PREFILL_CREDIT",
     "forget_after": "proxy.loadview.DISPATCH_FORGET_AFTER_S",
     # kv_cost (the time-unit model) and the estimator behind it
     "resolution": "proxy.routing.kv_cost.RESOLUTION_S",

@@ -5,6 +5,7 @@ For each candidate worker w (all below the KV high-water mark, see dispatch.py):
     cost(w) = projected_kv_usage(w)                      # loadview: reported + pending / capacity
             + QUEUE_WEIGHT  * queue_depth(w)             # reported num_waiting + sent since report
             - PREFIX_WEIGHT * min(1, cached_tokens(w) / PREFIX_SATURATION_TOKENS) * share(w)
+            + BACKLOG_WEIGHT * (prefill_backlog(w) - CACHED_PREFILL_CREDIT * cached_tokens(w)) / capacity(w)
     share(w) = cached_tokens(w) / prompt_tokens                 # of this request's prompt
 
 and the request goes to the lowest cost (ties: fewest in flight, then random). cached_tokens is
@@ -12,7 +13,7 @@ the estimated prompt tokens (text and images) the prefix index says w has seen m
 Defaults: QUEUE_WEIGHT 0.02 (50 queued requests weigh like a full cache), PREFIX_WEIGHT 1.0
 (1024 reused prompt tokens are worth a whole cache of KV usage), PREFIX_SATURATION_TOKENS 1024.
 So a shared system prompt or a reused image keeps its worker until that worker is much fuller
-than another (the high-water mark still caps it), and the expected KV a request adds on w
+than another or has more prompts queued to prefill (Prefill backlog, below), and the expected KV a request adds on w
 excludes the part w already caches. PREFIX_WEIGHT was 0.3 at first: bench/quality.py showed a
 256-token image then worth only 0.075, so image questions scattered, every worker prefilled the
 same images again and at 95% load 224 of 1047 VQA requests were refused; at 1.0 none were and
@@ -28,15 +29,31 @@ preemptions from 7 to 4 per 1000 requests and TTFT p50 from 126 to 117 ms, with 
 makespan equal within the spread; kv_pressure and zipf_hot were unchanged in a 2-repeat check
 (`kv_aware@prefix_by_share=False` runs the old scoring).
 
-Prefill backlog (off by default): cost(w) may add BACKLOG_WEIGHT * prefill_backlog(w) / capacity, the
-prompt tokens in flight on w that have not produced output yet (loadview.py; exact, from the proxy's own
-relay, no report lag). Tried at weights 1 and 3 against 0 (`kvroute bench quality --families
-kv_pressure,zipf_hot,bursts --loads closed --routes kvroute:kv_aware,kvroute:kv_aware@backlog_weight=1,
-kvroute:kv_aware@backlog_weight=3 --repeats 2`, a quick run): makespan, TTFT p99 and p99 after the first
-wave moved within the run's spread in all three families, so it stays 0. The closed loop's tail is its
-first wave (every client's first request onto the cold fleet at once), and on this 2-core box that wave
-is set by CPU: with identical round-robin placement kvroute's first-wave p99 was 1.13-1.24x
-sglang-router's (bench/results/2026-12-01-quality-cold-wave-round-robin.md), not by placement.
+Prefill backlog, on by default since 2026-12-01: the prefix term above is in units of KV usage, and it
+made a prefix stick to its first holder however long that holder's queue of prompts grew (50 queued requests
+weigh like one reused 1024-token prefix). In time the trade is simple: a request's first token on w comes
+after the prompts already waiting there to be prefilled and its own uncached part, so
+
+    cost(w) += BACKLOG_WEIGHT * (prefill_backlog(w) - CACHED_PREFILL_CREDIT * cached_tokens(w)) / capacity(w)
+
+prefill_backlog(w) is the prompt tokens in flight on w that have produced no output yet (loadview.py; exact,
+from the proxy's own relay, no report lag; a non-streamed request counts until it ends). The second part
+is the prefill a cached prefix saves there, in the same units; it is written as a credit to the holders
+(not as + uncached to everyone) so that a worker holding nothing costs its roster key (see Scale). So a
+hot prefix gets a replica as soon as its holder has more prompt work queued than a copy would cost, and
+not before. The weights were measured, not derived (`kvroute bench quality`, closed loop, 32 clients per
+worker; `kv_aware@backlog_weight=..+cached_credit=..` runs other values; the runs below named the credit `own_prefill`, an equivalent form for workers of equal capacity):
+- BACKLOG_WEIGHT 0 (the old default) -> 10: TTFT p99 after the first wave in the bursts family (4 shared
+  1500-token system prompts that fit every cache) 330 -> 121 ms (round robin reached 109), in lengths
+  628 -> 500 ms, TTFT p99 in two_models 373 -> 180 ms; sessions and zipf_hot equal or better (quick
+  2-repeat runs). At 1, 3 it changed nothing.
+- CACHED_PREFILL_CREDIT 0 with BACKLOG_WEIGHT 10: kv_pressure (3000-6000-token prefixes, twice one
+  worker's cache) thrashed: a holder's backlog blip moved a big prefix, the copy's own prefill made the
+  next worker look busy, and so on (makespan 12 -> 22 s, 70 preemptions per 1000 requests, hit rate
+  95 -> 81%). 1.0 stopped that but counted the cached part twice (the prefix term counts it too): zipf_hot
+  makespan +9%. 0.5 kept kv_pressure at the old default's makespan and hit rate.
+- Side by side with the old default and sglang-router, 3 repeats, six families:
+  bench/results/2026-12-01-quality-closed-backlog.md.
 
 Scale: admission hands select_from() a roster (proxy/routing/candidates.py) that keeps its members
 sorted by (round(load_cost, 9), in flight) as their loads change; load_cost is cost without the
@@ -69,8 +86,10 @@ PREFIX_WEIGHT = 1.0
 PREFIX_SATURATION_TOKENS = 1024
 # Weigh the prefix term by the share of the prompt the worker holds (the docstring's share(w))
 PREFIX_BY_SHARE = True
-# Weight of the prefill backlog (prompt tokens in flight there without output yet, / KV capacity): see the docstring
-BACKLOG_WEIGHT = 0.0
+# Weight of the prefill backlog (prompt tokens in flight there without output yet, / KV capacity), and the
+# share of a cached prefix's tokens credited against it: see the docstring's "Prefill backlog"
+BACKLOG_WEIGHT = 10.0
+CACHED_PREFILL_CREDIT = 0.5
 # select_from() scores this many of the least loaded candidates plus the prefix holders (module docstring).
 SHORTLIST = 8
 
@@ -81,12 +100,15 @@ def load_cost(load: WorkerLoad) -> float:
     return usage + QUEUE_WEIGHT * queue + BACKLOG_WEIGHT * load.prefill_backlog / load.capacity_tokens
 
 
-def prefix_bonus(request: RoutedRequest, cached: int) -> float:
-    """The prefix term of cost(): what holding `cached` of the request's prompt tokens is worth on a worker."""
+def prefix_bonus(request: RoutedRequest, cached: int, capacity_tokens: int) -> float:
+    """The prefix terms of cost(): what holding `cached` of the request's prompt tokens is worth on a worker
+    (its KV-unit bonus, and the prefill it saves in backlog units)."""
+    if not cached:
+        return 0.0
     bonus = PREFIX_WEIGHT * min(1.0, cached / PREFIX_SATURATION_TOKENS)
     if PREFIX_BY_SHARE and request.prompt_tokens > cached:
         bonus *= cached / request.prompt_tokens
-    return bonus
+    return bonus + BACKLOG_WEIGHT * CACHED_PREFILL_CREDIT * cached / capacity_tokens
 
 
 def cached_tokens(request: RoutedRequest, depth: int) -> int:
@@ -111,7 +133,8 @@ class KvAwarePolicy(Policy):
             load = worker.load
             cached = cached_tokens(request, depths.get(worker.worker_id, 0))
             cost = (load.projected_kv_usage(now) + QUEUE_WEIGHT * load.queue_depth(now)
-                    + BACKLOG_WEIGHT * load.prefill_backlog / load.capacity_tokens - prefix_bonus(request, cached))
+                    + BACKLOG_WEIGHT * load.prefill_backlog / load.capacity_tokens
+                    - prefix_bonus(request, cached, load.capacity_tokens))
             scores[worker.worker_id] = cost
             key = (round(cost, 9), load.in_flight)
             if key < best_key:
@@ -149,7 +172,8 @@ class KvAwarePolicy(Policy):
                 load = member.load
                 cached = cached_tokens(request, depth)
                 cost = (load.projected_kv_usage(now) + QUEUE_WEIGHT * load.queue_depth(now)
-                        + BACKLOG_WEIGHT * load.prefill_backlog / load.capacity_tokens - prefix_bonus(request, cached))
+                        + BACKLOG_WEIGHT * load.prefill_backlog / load.capacity_tokens
+                        - prefix_bonus(request, cached, load.capacity_tokens))
                 scores[wid] = cost
                 holders.append((member.worker, cached, (round(cost, 9), load.in_flight)))
         # every other candidate costs its order key: the first SHORTLIST of them are the cheapest
@@ -219,5 +243,6 @@ class KvAwarePolicy(Policy):
                  request: RoutedRequest, now: float) -> str:
         return "; ".join(
             f"{w.worker_id}: cost={scores[w.worker_id]:.4f} kv={w.load.projected_kv_usage(now):.3f} "
-            f"queue={w.load.queue_depth(now)} cached={cached_tokens(request, depths.get(w.worker_id, 0))}"
+            f"queue={w.load.queue_depth(now)} backlog={w.load.prefill_backlog} "
+            f"cached={cached_tokens(request, depths.get(w.worker_id, 0))}"
             for w in candidates)

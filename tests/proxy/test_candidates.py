@@ -24,7 +24,7 @@ from proxy.request import CHAT, parse_request
 from proxy.routing.admission import AdmissionController
 from proxy.routing.base import PolicyDeps, make_policy
 from proxy.routing.candidates import Roster, members_in_order
-from proxy.routing.kv_aware import QUEUE_WEIGHT, SHORTLIST, load_cost
+from proxy.routing.kv_aware import BACKLOG_WEIGHT, QUEUE_WEIGHT, SHORTLIST, load_cost
 from proxy.routing.prefix_index import PrefixIndex
 
 
@@ -144,7 +144,8 @@ def assert_order_is_true(fleet: Fleet, roster: Roster) -> None:
     entries = list(roster.order(load_cost))  # (a copy: computing the views below may not move anything)
     admitting = roster.admitting
     assert entries == sorted(entries)
-    fresh = {w.worker_id: (round(w.load.projected_kv_usage(now) + QUEUE_WEIGHT * w.load.queue_depth(now), 9),
+    fresh = {w.worker_id: (round(w.load.projected_kv_usage(now) + QUEUE_WEIGHT * w.load.queue_depth(now)
+                                 + BACKLOG_WEIGHT * w.load.prefill_backlog / w.load.capacity_tokens, 9),
                            w.load.in_flight) for w in roster.workers}
     assert [e[:2] for e in entries] == [fresh[w.worker_id] for w in members_in_order(entries)]
     assert [w.worker_id for w in members_in_order(entries)] != [] and len(entries) == len(roster.workers)

@@ -105,6 +105,38 @@ def test_kv_aware_weighs_a_shared_head_by_the_share_of_the_prompt_it_saves():
     assert policy.select([a, b], request(document, system=system), NOW + 1).worker is other
 
 
+def test_kv_aware_gives_a_hot_prefix_a_replica_while_its_holder_has_prompts_queued_to_prefill():
+    policy = make_policy("kv_aware", deps())
+    system = "Shared instructions. " * 200  # ~500 tokens: a system prompt every cache can hold
+    a, b = worker("a", 0.2), worker("b", 0.2)
+    holder = dispatch(policy, [a, b], request("q0", system=system)).worker
+    other = b if holder is a else a
+    assert policy.select([a, b], request("q1", system=system), NOW).worker is holder
+    # a burst of new prompts lands on the holder: 12 x 1500 tokens it has not prefilled yet
+    queued = [holder.load.start_request(1600, NOW, prefill_tokens=1500) for _ in range(12)]
+    # waiting behind 18000 tokens of prefill costs more than prefilling the 1000-token prefix elsewhere
+    assert policy.select([a, b], request("q2", system=system), NOW).worker is other
+    # once they produced their first tokens the holder is the faster place again
+    for d in queued:
+        holder.load.first_output(d)
+    assert policy.select([a, b], request("q3", system=system), NOW).worker is holder
+
+
+def test_kv_aware_does_not_move_a_long_prefix_for_a_backlog_its_copy_would_cost_as_much():
+    policy = make_policy("kv_aware", deps())
+    system = "Long shared instructions for every request of this tenant. " * 400  # ~4000 tokens
+    a, b = worker("a", 0.3, capacity=32_768), worker("b", 0.3, capacity=32_768)
+    holder = dispatch(policy, [a, b], request("q0", system=system)).worker
+    other = b if holder is a else a
+    # the holder prefills one cold prompt about as long as the prefix: a copy elsewhere would queue as long
+    holder.load.start_request(4200, NOW, prefill_tokens=4000)
+    assert policy.select([a, b], request("q1", system=system), NOW).worker is holder
+    # a backlog of several such prompts is worth a copy
+    for _ in range(3):
+        holder.load.start_request(4200, NOW, prefill_tokens=4000)
+    assert policy.select([a, b], request("q2", system=system), NOW).worker is other
+
+
 def test_kv_aware_counts_queued_requests():
     policy = make_policy("kv_aware", deps())
     queued, idle = worker("queued", 0.3, waiting=20), worker("idle", 0.5)
