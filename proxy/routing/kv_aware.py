@@ -238,11 +238,19 @@ class KvAwarePolicy(Policy):
         if request.prefix_hashes:
             self.deps.prefix_index.insert(request.prefix_hashes, decision.worker.worker_id, now)
 
-    @staticmethod
-    def _explain(candidates: Sequence[Worker], scores: dict[str, float], depths: dict[str, int],
+    def _explain(self, candidates: Sequence[Worker], scores: dict[str, float], depths: dict[str, int],
                  request: RoutedRequest, now: float) -> str:
-        return "; ".join(
-            f"{w.worker_id}: cost={scores[w.worker_id]:.4f} kv={w.load.projected_kv_usage(now):.3f} "
-            f"queue={w.load.queue_depth(now)} backlog={w.load.prefill_backlog} "
-            f"cached={cached_tokens(request, depths.get(w.worker_id, 0))}"
-            for w in candidates)
+        """Each scored candidate's terms, and `ttft~`: the first-token time they predict there, the prompt
+        tokens queued to prefill ahead of the request plus its own uncached part at that worker's learnt
+        prefill cost (estimator.py; what its reports say, the priors before any)."""
+        parts = []
+        for w in candidates:
+            load = w.load
+            cached = cached_tokens(request, depths.get(w.worker_id, 0))
+            uncached = max(0, request.prompt_tokens - cached)
+            media = request.media_tokens * uncached // request.prompt_tokens if request.media_tokens else 0
+            ttft = self.deps.estimator.for_worker(w.worker_id).prefill_s(load.prefill_backlog + uncached, media)
+            parts.append(f"{w.worker_id}: cost={scores[w.worker_id]:.4f} ttft~{ttft * 1000:.0f}ms "
+                         f"kv={load.projected_kv_usage(now):.3f} queue={load.queue_depth(now)} "
+                         f"backlog={load.prefill_backlog} cached={cached}")
+        return "; ".join(parts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from collections import Counter
 
 import orjson
@@ -135,6 +136,22 @@ def test_kv_aware_does_not_move_a_long_prefix_for_a_backlog_its_copy_would_cost_
     for _ in range(3):
         holder.load.start_request(4200, NOW, prefill_tokens=4000)
     assert policy.select([a, b], request("q2", system=system), NOW).worker is other
+
+
+def test_kv_aware_debug_log_shows_each_candidates_predicted_first_token_time(caplog):
+    import logging
+
+    policy = make_policy("kv_aware", deps())
+    idle, busy = worker("idle", 0.2), worker("busy", 0.2)
+    for _ in range(4):
+        busy.load.start_request(2100, NOW, prefill_tokens=2000)  # 8000 prompt tokens queued to prefill there
+    with caplog.at_level(logging.DEBUG, logger="kvroute.routing.kv_aware"):
+        assert policy.select([idle, busy], request("hello"), NOW).worker is idle
+    line = caplog.records[-1].getMessage()
+    predicted = {wid: float(ms) for wid, ms in re.findall(r"(\w+): cost=\S+ ttft~(\d+)ms", line)}
+    # at the prior prefill rate (10k tokens/s) 8000 queued tokens are ~0.8 s ahead of the request
+    assert predicted["idle"] < 50 and 700 < predicted["busy"] < 900
+    assert "backlog=8000" in line
 
 
 def test_kv_aware_counts_queued_requests():
