@@ -13,8 +13,8 @@ the estimated prompt tokens (text and images) the prefix index says w has seen m
 Defaults: QUEUE_WEIGHT 0.02 (50 queued requests weigh like a full cache), PREFIX_WEIGHT 1.0
 (1024 reused prompt tokens are worth a whole cache of KV usage), PREFIX_SATURATION_TOKENS 1024.
 So a shared system prompt or a reused image keeps its worker until that worker is much fuller
-than another or has more prompts queued to prefill (Prefill backlog, below), and the expected KV a request adds on w
-excludes the part w already caches. PREFIX_WEIGHT was 0.3 at first: bench/quality.py showed a
+than another or has more prompts queued to prefill (Prefill backlog, below), and the expected KV a
+request adds on w excludes the part w already caches. PREFIX_WEIGHT was 0.3 at first: bench/quality.py showed a
 256-token image then worth only 0.075, so image questions scattered, every worker prefilled the
 same images again and at 95% load 224 of 1047 VQA requests were refused; at 1.0 none were and
 goodput went from 35% to 98%, with chat and the two-model mix unchanged
@@ -42,7 +42,8 @@ is the prefill a cached prefix saves there, in the same units; it is written as 
 (not as + uncached to everyone) so that a worker holding nothing costs its roster key (see Scale). So a
 hot prefix gets a replica as soon as its holder has more prompt work queued than a copy would cost, and
 not before. The weights were measured, not derived (`kvroute bench quality`, closed loop, 32 clients per
-worker; `kv_aware@backlog_weight=..+cached_credit=..` runs other values; the runs below named the credit `own_prefill`, an equivalent form for workers of equal capacity):
+worker; `kv_aware@backlog_weight=..+cached_credit=..` runs other values; the runs below named the credit
+`own_prefill`, an equivalent form for workers of equal capacity):
 - BACKLOG_WEIGHT 0 (the old default) -> 10: TTFT p99 after the first wave in the bursts family (4 shared
   1500-token system prompts that fit every cache) 330 -> 121 ms (round robin reached 109), in lengths
   628 -> 500 ms, TTFT p99 in two_models 373 -> 180 ms; sessions and zipf_hot equal or better (quick
@@ -52,8 +53,11 @@ worker; `kv_aware@backlog_weight=..+cached_credit=..` runs other values; the run
   next worker look busy, and so on (makespan 12 -> 22 s, 70 preemptions per 1000 requests, hit rate
   95 -> 81%). 1.0 stopped that but counted the cached part twice (the prefix term counts it too): zipf_hot
   makespan +9%. 0.5 kept kv_pressure at the old default's makespan and hit rate.
-- Side by side with the old default and sglang-router, 3 repeats, six families:
-  bench/results/2026-12-01-quality-closed-backlog.md.
+- Side by side with the old default and sglang-router, 3 repeats, six families
+  (bench/results/2026-12-01-quality-closed-backlog.md): TTFT p99 after the first wave bursts 229 -> 122 ms
+  (sglang-router 172), lengths 709 -> 485 ms (TTFT p50 125 -> 80); the other four families within the
+  spread. Open loop (bench/results/2026-12-01-quality-matrix-open.md) its weak cell is kv_pressure at 95%
+  load: 79 (0-126) preemptions per 1000 requests, sglang-router 20 (2-33), goodput 96% vs 99%.
 
 Scale: admission hands select_from() a roster (proxy/routing/candidates.py) that keeps its members
 sorted by (round(load_cost, 9), in flight) as their loads change; load_cost is cost without the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 from collections import Counter
@@ -115,7 +116,7 @@ def test_kv_aware_gives_a_hot_prefix_a_replica_while_its_holder_has_prompts_queu
     assert policy.select([a, b], request("q1", system=system), NOW).worker is holder
     # a burst of new prompts lands on the holder: 12 x 1500 tokens it has not prefilled yet
     queued = [holder.load.start_request(1600, NOW, prefill_tokens=1500) for _ in range(12)]
-    # waiting behind 18000 tokens of prefill costs more than prefilling the 1000-token prefix elsewhere
+    # waiting behind 18000 tokens of prefill costs more than prefilling the 500-token prefix elsewhere
     assert policy.select([a, b], request("q2", system=system), NOW).worker is other
     # once they produced their first tokens the holder is the faster place again
     for d in queued:
@@ -139,8 +140,6 @@ def test_kv_aware_does_not_move_a_long_prefix_for_a_backlog_its_copy_would_cost_
 
 
 def test_kv_aware_debug_log_shows_each_candidates_predicted_first_token_time(caplog):
-    import logging
-
     policy = make_policy("kv_aware", deps())
     idle, busy = worker("idle", 0.2), worker("busy", 0.2)
     for _ in range(4):
