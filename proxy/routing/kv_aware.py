@@ -57,7 +57,11 @@ worker; `kv_aware@backlog_weight=..+cached_credit=..` runs other values; the run
   (bench/results/2026-12-01-quality-closed-backlog.md): TTFT p99 after the first wave bursts 229 -> 122 ms
   (sglang-router 172), lengths 709 -> 485 ms (TTFT p50 125 -> 80); the other four families within the
   spread. Open loop (bench/results/2026-12-01-quality-matrix-open.md) its weak cell is kv_pressure at 95%
-  load: 79 (0-126) preemptions per 1000 requests, sglang-router 20 (2-33), goodput 96% vs 99%.
+  load: 79 (0-126) preemptions per 1000 requests, sglang-router 20 (2-33), goodput 96% vs 99%. A same-run
+  A/B of that cell (bench/results/2026-12-01-quality-kv_pressure-95-backlog-ab.md, 5 repeats) puts it on
+  this term: 61 (9-177) preemptions and TTFT p99 1067 ms with it, 5 (0-27) and 762 ms at backlog_weight=0.
+  Under that load a long prefix still moves now and then and its copies crowd the caches; a credit that
+  grows with the cache's fullness is the next thing to try.
 
 Scale: admission hands select_from() a roster (proxy/routing/candidates.py) that keeps its members
 sorted by (round(load_cost, 9), in flight) as their loads change; load_cost is cost without the
