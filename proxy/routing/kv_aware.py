@@ -60,8 +60,11 @@ worker; `kv_aware@backlog_weight=..+cached_credit=..` runs other values; the run
   load: 79 (0-126) preemptions per 1000 requests, sglang-router 20 (2-33), goodput 96% vs 99%. A same-run
   A/B of that cell (bench/results/2026-12-01-quality-kv_pressure-95-backlog-ab.md, 5 repeats) puts it on
   this term: 61 (9-177) preemptions and TTFT p99 1067 ms with it, 5 (0-27) and 762 ms at backlog_weight=0.
-  Under that load a long prefix still moves now and then and its copies crowd the caches; a credit that
-  grows with the cache's fullness is the next thing to try.
+  Under that load a long prefix still moves now and then and its copies crowd the caches. A credit that
+  grows with the holder's projected KV usage (CREDIT_PER_USAGE, off; `kv_aware@credit_per_usage=1.0`) was
+  tried in quick runs: kv_pressure at 95% TTFT p99 1102 -> 668 ms, goodput 98 -> 100%, preemptions 38 -> 24
+  (3 repeats), but bursts' p99 after the first wave 124 -> 156 ms and lengths' 485 -> 530 (closed loop,
+  2 repeats): not adopted before a full rerun.
 
 Scale: admission hands select_from() a roster (proxy/routing/candidates.py) that keeps its members
 sorted by (round(load_cost, 9), in flight) as their loads change; load_cost is cost without the
@@ -98,6 +101,9 @@ PREFIX_BY_SHARE = True
 # share of a cached prefix's tokens credited against it: see the docstring's "Prefill backlog"
 BACKLOG_WEIGHT = 10.0
 CACHED_PREFILL_CREDIT = 0.5
+# Off by default (an ablation knob, `credit_per_usage`): the credit grows by this much per unit of the
+# holder's projected KV usage, so long prefixes stay put when caches are full (see "Prefill backlog")
+CREDIT_PER_USAGE = 0.0
 # select_from() scores this many of the least loaded candidates plus the prefix holders (module docstring).
 SHORTLIST = 8
 
@@ -108,15 +114,16 @@ def load_cost(load: WorkerLoad) -> float:
     return usage + QUEUE_WEIGHT * queue + BACKLOG_WEIGHT * load.prefill_backlog / load.capacity_tokens
 
 
-def prefix_bonus(request: RoutedRequest, cached: int, capacity_tokens: int) -> float:
+def prefix_bonus(request: RoutedRequest, cached: int, capacity_tokens: int, usage: float = 0.0) -> float:
     """The prefix terms of cost(): what holding `cached` of the request's prompt tokens is worth on a worker
-    (its KV-unit bonus, and the prefill it saves in backlog units)."""
+    (its KV-unit bonus, and the prefill it saves in backlog units; `usage`: the worker's projected KV usage)."""
     if not cached:
         return 0.0
     bonus = PREFIX_WEIGHT * min(1.0, cached / PREFIX_SATURATION_TOKENS)
     if PREFIX_BY_SHARE and request.prompt_tokens > cached:
         bonus *= cached / request.prompt_tokens
-    return bonus + BACKLOG_WEIGHT * CACHED_PREFILL_CREDIT * cached / capacity_tokens
+    credit = CACHED_PREFILL_CREDIT + CREDIT_PER_USAGE * usage
+    return bonus + BACKLOG_WEIGHT * credit * cached / capacity_tokens
 
 
 def cached_tokens(request: RoutedRequest, depth: int) -> int:
@@ -140,9 +147,10 @@ class KvAwarePolicy(Policy):
         for worker in candidates:
             load = worker.load
             cached = cached_tokens(request, depths.get(worker.worker_id, 0))
-            cost = (load.projected_kv_usage(now) + QUEUE_WEIGHT * load.queue_depth(now)
+            usage = load.projected_kv_usage(now)
+            cost = (usage + QUEUE_WEIGHT * load.queue_depth(now)
                     + BACKLOG_WEIGHT * load.prefill_backlog / load.capacity_tokens
-                    - prefix_bonus(request, cached, load.capacity_tokens))
+                    - prefix_bonus(request, cached, load.capacity_tokens, usage))
             scores[worker.worker_id] = cost
             key = (round(cost, 9), load.in_flight)
             if key < best_key:
@@ -179,9 +187,10 @@ class KvAwarePolicy(Policy):
                     continue
                 load = member.load
                 cached = cached_tokens(request, depth)
-                cost = (load.projected_kv_usage(now) + QUEUE_WEIGHT * load.queue_depth(now)
+                usage = load.projected_kv_usage(now)
+                cost = (usage + QUEUE_WEIGHT * load.queue_depth(now)
                         + BACKLOG_WEIGHT * load.prefill_backlog / load.capacity_tokens
-                        - prefix_bonus(request, cached, load.capacity_tokens))
+                        - prefix_bonus(request, cached, load.capacity_tokens, usage))
                 scores[wid] = cost
                 holders.append((member.worker, cached, (round(cost, 9), load.in_flight)))
         # every other candidate costs its order key: the first SHORTLIST of them are the cheapest
