@@ -126,6 +126,13 @@ def prefix_bonus(request: RoutedRequest, cached: int, capacity_tokens: int, usag
     return bonus + BACKLOG_WEIGHT * credit * cached / capacity_tokens
 
 
+def worker_cost(load: WorkerLoad, request: RoutedRequest, cached: int, now: float) -> float:
+    """cost(w) of the module docstring for a worker that caches `cached` of the request's prompt tokens."""
+    usage = load.projected_kv_usage(now)
+    return (usage + QUEUE_WEIGHT * load.queue_depth(now) + BACKLOG_WEIGHT * load.prefill_backlog / load.capacity_tokens
+            - prefix_bonus(request, cached, load.capacity_tokens, usage))
+
+
 def cached_tokens(request: RoutedRequest, depth: int) -> int:
     """Estimated prompt tokens covered by the first `depth` prefix blocks."""
     return request.prefix_tokens[depth - 1] if depth > 0 else 0
@@ -147,10 +154,7 @@ class KvAwarePolicy(Policy):
         for worker in candidates:
             load = worker.load
             cached = cached_tokens(request, depths.get(worker.worker_id, 0))
-            usage = load.projected_kv_usage(now)
-            cost = (usage + QUEUE_WEIGHT * load.queue_depth(now)
-                    + BACKLOG_WEIGHT * load.prefill_backlog / load.capacity_tokens
-                    - prefix_bonus(request, cached, load.capacity_tokens, usage))
+            cost = worker_cost(load, request, cached, now)
             scores[worker.worker_id] = cost
             key = (round(cost, 9), load.in_flight)
             if key < best_key:
@@ -187,10 +191,7 @@ class KvAwarePolicy(Policy):
                     continue
                 load = member.load
                 cached = cached_tokens(request, depth)
-                usage = load.projected_kv_usage(now)
-                cost = (usage + QUEUE_WEIGHT * load.queue_depth(now)
-                        + BACKLOG_WEIGHT * load.prefill_backlog / load.capacity_tokens
-                        - prefix_bonus(request, cached, load.capacity_tokens, usage))
+                cost = worker_cost(load, request, cached, now)
                 scores[wid] = cost
                 holders.append((member.worker, cached, (round(cost, 9), load.in_flight)))
         # every other candidate costs its order key: the first SHORTLIST of them are the cheapest
