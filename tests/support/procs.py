@@ -6,13 +6,15 @@ and stops it (its whole process group) when the test ends, pass or fail.
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -23,10 +25,38 @@ KVROUTE = [sys.executable, "-m", "proxy.cli"]
 T = TypeVar("T")
 
 
+# Ports for the processes tests start come from below the kernel's ephemeral range
+# (ip_local_port_range, 32768-60999 by default), one block per xdist worker. A port
+# from bind(("127.0.0.1", 0)) is ephemeral: between the check and the child's own bind,
+# any outgoing connection (a proxy's upstream client, the other xdist worker's test)
+# could take it, and the child then fails with EADDRINUSE.
+_PORT_FLOOR = 20000
+_PORTS_PER_XDIST_WORKER = 3000
+
+
+def _port_candidates() -> Iterator[int]:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    low = _PORT_FLOOR + (index % 4) * _PORTS_PER_XDIST_WORKER
+    start = random.randrange(_PORTS_PER_XDIST_WORKER)  # two runs at once rarely collide
+    for step in itertools.count():
+        yield low + (start + step) % _PORTS_PER_XDIST_WORKER
+
+
+_ports = _port_candidates()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, that no outgoing connection or other xdist worker will take."""
+    for _ in range(_PORTS_PER_XDIST_WORKER):
+        port = next(_ports)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in this xdist worker's block")
 
 
 def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.05, what: str = "condition") -> T:
