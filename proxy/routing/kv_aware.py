@@ -5,8 +5,9 @@ For each candidate worker w (all below the KV high-water mark, see dispatch.py):
     cost(w) = projected_kv_usage(w)                      # loadview: reported + pending / capacity
             + QUEUE_WEIGHT  * queue_depth(w)             # reported num_waiting + sent since report
             - PREFIX_WEIGHT * min(1, cached_tokens(w) / PREFIX_SATURATION_TOKENS) * share(w)
-            + BACKLOG_WEIGHT * (prefill_backlog(w) - CACHED_PREFILL_CREDIT * cached_tokens(w)) / capacity(w)
-    share(w) = cached_tokens(w) / prompt_tokens                 # of this request's prompt
+            + BACKLOG_WEIGHT * (prefill_backlog(w) - credit(w) * cached_tokens(w)) / capacity(w)
+    share(w)  = cached_tokens(w) / prompt_tokens                 # of this request's prompt
+    credit(w) = CACHED_PREFILL_CREDIT + CREDIT_PER_CACHE_SHARE * cached_tokens(w) / capacity(w)
 
 and the request goes to the lowest cost (ties: fewest in flight, then random). cached_tokens is
 the estimated prompt tokens (text and images) the prefix index says w has seen most recently.
@@ -34,7 +35,7 @@ made a prefix stick to its first holder however long that holder's queue of prom
 weigh like one reused 1024-token prefix). In time the trade is simple: a request's first token on w comes
 after the prompts already waiting there to be prefilled and its own uncached part, so
 
-    cost(w) += BACKLOG_WEIGHT * (prefill_backlog(w) - CACHED_PREFILL_CREDIT * cached_tokens(w)) / capacity(w)
+    cost(w) += BACKLOG_WEIGHT * (prefill_backlog(w) - credit(w) * cached_tokens(w)) / capacity(w)
 
 prefill_backlog(w) is the prompt tokens in flight on w that have produced no output yet (loadview.py; exact,
 from the proxy's own relay, no report lag; a non-streamed request counts until it ends). The second part
@@ -60,11 +61,23 @@ worker; `kv_aware@backlog_weight=..+cached_credit=..` runs other values; the run
   load: 79 (0-126) preemptions per 1000 requests, sglang-router 20 (2-33), goodput 96% vs 99%. A same-run
   A/B of that cell (bench/results/2026-12-01-quality-kv_pressure-95-backlog-ab.md, 5 repeats) puts it on
   this term: 61 (9-177) preemptions and TTFT p99 1067 ms with it, 5 (0-27) and 762 ms at backlog_weight=0.
-  Under that load a long prefix still moves now and then and its copies crowd the caches. A credit that
-  grows with the holder's projected KV usage (CREDIT_PER_USAGE, off; `kv_aware@credit_per_usage=1.0`) was
-  tried in quick runs: kv_pressure at 95% TTFT p99 1102 -> 668 ms, goodput 98 -> 100%, preemptions 38 -> 24
-  (3 repeats), but bursts' p99 after the first wave 124 -> 156 ms and lengths' 485 -> 530 (closed loop,
-  2 repeats): not adopted before a full rerun.
+  Under that load a long prefix still moves now and then and its copies crowd the caches.
+- credit(w) grows with the prefix's share of the cache (CREDIT_PER_CACHE_SHARE 5, since 2026-12-01
+  evening): a copy of a prefix that fills a tenth to a fifth of a cache (kv_pressure's 3000-6000-token
+  prompts and 3072-token images, 32768-token caches) takes that much room on the worker it moves to,
+  room other prompts' cached prefixes and running requests held: it evicts them (their prefill comes
+  back later) or preempts. So its price is the copy's own prefill plus about as much again for what it
+  pushes out, where a 500-1500-token system prompt in a 65536-token cache (bursts, lengths) moves almost
+  as before (credit 0.5 -> 0.55-0.61). kv_pressure at 95%, same run, 3 repeats
+  (bench/results/2026-12-01-quality-kv_pressure-95-credit-ab.md): preemptions per 1000 requests 118
+  (82-164) -> 9 (0-27), TTFT p99 1268 -> 680 ms, goodput 95 -> 100%; a second run of the same cell
+  (...-credit-ab2.md) 13 (0-23) -> 10 (0-24), 787 -> 720 ms (the cell is bistable: once copies crowd
+  the caches it collapses).
+  Closed loop bursts, 3 repeats (bench/results/2026-12-01-quality-bursts-credit-ab.md): p99 after the
+  first wave 145 (130-169) -> 129 (119-136) ms, makespan equal. A credit growing with the holder's KV
+  usage instead (CREDIT_PER_USAGE, off; `kv_aware@credit_per_usage=0.5`) fixed kv_pressure as well but
+  counts running requests, not cached prefixes: bursts' after-wave p99 rose (124 -> 156 ms at 1.0).
+  The full matrices with this default are in README's Performance section.
 
 Scale: admission hands select_from() a roster (proxy/routing/candidates.py) that keeps its members
 sorted by (round(load_cost, 9), in flight) as their loads change; load_cost is cost without the
@@ -104,6 +117,9 @@ CACHED_PREFILL_CREDIT = 0.5
 # Off by default (an ablation knob, `credit_per_usage`): the credit grows by this much per unit of the
 # holder's projected KV usage, so long prefixes stay put when caches are full (see "Prefill backlog")
 CREDIT_PER_USAGE = 0.0
+# The credit grows by this much per unit of the cached prefix's share of the worker's KV capacity
+# (cached / capacity): a prefix that fills much of a cache stays put (docstring, "Prefill backlog")
+CREDIT_PER_CACHE_SHARE = 5.0
 # select_from() scores this many of the least loaded candidates plus the prefix holders (module docstring).
 SHORTLIST = 8
 
@@ -122,7 +138,7 @@ def prefix_bonus(request: RoutedRequest, cached: int, capacity_tokens: int, usag
     bonus = PREFIX_WEIGHT * min(1.0, cached / PREFIX_SATURATION_TOKENS)
     if PREFIX_BY_SHARE and request.prompt_tokens > cached:
         bonus *= cached / request.prompt_tokens
-    credit = CACHED_PREFILL_CREDIT + CREDIT_PER_USAGE * usage
+    credit = CACHED_PREFILL_CREDIT + CREDIT_PER_USAGE * usage + CREDIT_PER_CACHE_SHARE * cached / capacity_tokens
     return bonus + BACKLOG_WEIGHT * credit * cached / capacity_tokens
 
 

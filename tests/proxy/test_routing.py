@@ -139,6 +139,23 @@ def test_kv_aware_does_not_move_a_long_prefix_for_a_backlog_its_copy_would_cost_
     assert policy.select([a, b], request("q2", system=system), NOW).worker is other
 
 
+def test_kv_aware_keeps_a_prefix_that_fills_a_large_share_of_the_cache_where_it_is():
+    policy = make_policy("kv_aware", deps())
+    system = "Long shared instructions for every request of this tenant. " * 800  # ~8000 tokens
+    a, b = worker("a", 0.3, capacity=32_768), worker("b", 0.3, capacity=32_768)
+    holder = dispatch(policy, [a, b], request("q0", system=system)).worker
+    other = b if holder is a else a
+    # two cold 5000-token prompts queued on the holder: a copy of a quarter of a cache would push out as much
+    # of the other worker's cache as the queue costs, so the prefix stays (a 500-token one moves: the test above)
+    for _ in range(2):
+        holder.load.start_request(5200, NOW, prefill_tokens=5000)
+    assert policy.select([a, b], request("q1", system=system), NOW).worker is holder
+    # a backlog several times the copy's cost is still worth one
+    for _ in range(4):
+        holder.load.start_request(5200, NOW, prefill_tokens=5000)
+    assert policy.select([a, b], request("q2", system=system), NOW).worker is other
+
+
 def test_kv_aware_debug_log_shows_each_candidates_predicted_first_token_time(caplog):
     policy = make_policy("kv_aware", deps())
     idle, busy = worker("idle", 0.2), worker("busy", 0.2)
