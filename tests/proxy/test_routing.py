@@ -43,6 +43,14 @@ def dispatch(policy, workers, req, now=NOW):
     return decision
 
 
+def prefix_held_by_one_of_two(system: str, usage: float = 0.2, capacity: int = 100_000):
+    """kv_aware over two equal workers after a first request with `system`: (policy, a, b, holder, other)."""
+    policy = make_policy("kv_aware", deps())
+    a, b = worker("a", usage, capacity=capacity), worker("b", usage, capacity=capacity)
+    holder = dispatch(policy, [a, b], request("q0", system=system)).worker
+    return policy, a, b, holder, (b if holder is a else a)
+
+
 def test_every_named_policy_exists_and_unknown_names_are_refused():
     for name in policy_names():
         assert make_policy(name, deps()).name == name
@@ -91,11 +99,8 @@ def test_kv_aware_lets_go_of_the_prefix_when_its_worker_is_much_busier():
 
 
 def test_kv_aware_weighs_a_shared_head_by_the_share_of_the_prompt_it_saves():
-    policy = make_policy("kv_aware", deps())
     system = "Shared instructions. " * 200  # ~1000 tokens held by the worker that served it first
-    a, b = worker("a", 0.2), worker("b", 0.2)
-    holder = dispatch(policy, [a, b], request("q0", system=system)).worker
-    other = b if holder is a else a
+    policy, a, b, holder, other = prefix_held_by_one_of_two(system)
     holder.load.record_reading(EngineReading(0.45, 10, 0, 100_000), NOW + 1, "report")
     other.load.record_reading(EngineReading(0.2, 10, 0, 100_000), NOW + 1, "report")
     # A short question after the head: the head is most of its prompt, so it stays with the holder
@@ -108,11 +113,8 @@ def test_kv_aware_weighs_a_shared_head_by_the_share_of_the_prompt_it_saves():
 
 
 def test_kv_aware_gives_a_hot_prefix_a_replica_while_its_holder_has_prompts_queued_to_prefill():
-    policy = make_policy("kv_aware", deps())
     system = "Shared instructions. " * 200  # ~500 tokens: a system prompt every cache can hold
-    a, b = worker("a", 0.2), worker("b", 0.2)
-    holder = dispatch(policy, [a, b], request("q0", system=system)).worker
-    other = b if holder is a else a
+    policy, a, b, holder, other = prefix_held_by_one_of_two(system)
     assert policy.select([a, b], request("q1", system=system), NOW).worker is holder
     # a burst of new prompts lands on the holder: 12 x 1500 tokens it has not prefilled yet
     queued = [holder.load.start_request(1600, NOW, prefill_tokens=1500) for _ in range(12)]
@@ -125,11 +127,8 @@ def test_kv_aware_gives_a_hot_prefix_a_replica_while_its_holder_has_prompts_queu
 
 
 def test_kv_aware_does_not_move_a_long_prefix_for_a_backlog_its_copy_would_cost_as_much():
-    policy = make_policy("kv_aware", deps())
     system = "Long shared instructions for every request of this tenant. " * 400  # ~4000 tokens
-    a, b = worker("a", 0.3, capacity=32_768), worker("b", 0.3, capacity=32_768)
-    holder = dispatch(policy, [a, b], request("q0", system=system)).worker
-    other = b if holder is a else a
+    policy, a, b, holder, other = prefix_held_by_one_of_two(system, 0.3, 32_768)
     # the holder prefills one cold prompt about as long as the prefix: a copy elsewhere would queue as long
     holder.load.start_request(4200, NOW, prefill_tokens=4000)
     assert policy.select([a, b], request("q1", system=system), NOW).worker is holder
@@ -140,11 +139,8 @@ def test_kv_aware_does_not_move_a_long_prefix_for_a_backlog_its_copy_would_cost_
 
 
 def test_kv_aware_keeps_a_prefix_that_fills_a_large_share_of_the_cache_where_it_is():
-    policy = make_policy("kv_aware", deps())
     system = "Long shared instructions for every request of this tenant. " * 800  # ~8000 tokens
-    a, b = worker("a", 0.3, capacity=32_768), worker("b", 0.3, capacity=32_768)
-    holder = dispatch(policy, [a, b], request("q0", system=system)).worker
-    other = b if holder is a else a
+    policy, a, b, holder, other = prefix_held_by_one_of_two(system, 0.3, 32_768)
     # two cold 5000-token prompts queued on the holder: a copy of a quarter of a cache would push out as much
     # of the other worker's cache as the queue costs, so the prefix stays (a 500-token one moves: the test above)
     for _ in range(2):
