@@ -20,6 +20,7 @@ MODULE_KNOBS = {
     "cached_credit": "proxy.routing.kv_aware.CACHED_PREFILL_CREDIT",
     "credit_per_usage": "proxy.routing.kv_aware.CREDIT_PER_USAGE",
     "credit_per_share": "proxy.routing.kv_aware.CREDIT_PER_CACHE_SHARE",
+    "inflight_weight": "proxy.routing.kv_aware.INFLIGHT_WEIGHT",
     "forget_after": "proxy.loadview.DISPATCH_FORGET_AFTER_S",
     # kv_cost (the time-unit model) and the estimator behind it
     "resolution": "proxy.routing.kv_cost.RESOLUTION_S",

@@ -4,6 +4,7 @@ For each candidate worker w (all below the KV high-water mark, see dispatch.py):
 
     cost(w) = projected_kv_usage(w)                      # loadview: reported + pending / capacity
             + QUEUE_WEIGHT  * queue_depth(w)             # reported num_waiting + sent since report
+            + INFLIGHT_WEIGHT * in_flight(w)             # requests sent there and not finished (Decode batch)
             - PREFIX_WEIGHT * min(1, cached_tokens(w) / PREFIX_SATURATION_TOKENS) * share(w)
             + BACKLOG_WEIGHT * (prefill_backlog(w) - credit(w) * cached_tokens(w)) / capacity(w)
     share(w)  = cached_tokens(w) / prompt_tokens                 # of this request's prompt
@@ -79,6 +80,25 @@ worker; `kv_aware@backlog_weight=..+cached_credit=..` runs other values; the run
   counts running requests, not cached prefixes: bursts' after-wave p99 rose (124 -> 156 ms at 1.0).
   The full matrices with this default are in README's Performance section.
 
+Decode batch, on by default since 2026-12-01 (session 8): the terms above price a request's first token
+and left out the rest of its life. On w its output comes one token per engine step, and a step grows with
+the batch (per-sequence overhead plus reading every running sequence's KV; backends/sim/cost.py models
+vLLM's): a worker running twice the requests of another gives each of its requests a slower decode, and the
+request sent there slows every one of them a little more. The prefix terms alone kept a hot prefix on its
+holder however large the holder's batch grew (zipf_hot: one worker served 48-54% of the requests, its
+requests' end-to-end p99 35% above sglang-router's, which spreads by in-flight count). So
+
+    cost(w) += INFLIGHT_WEIGHT * in_flight(w)
+
+in_flight(w) is exact (the proxy's own count, no report lag) and request-independent, so it joins the
+roster key. INFLIGHT_WEIGHT 0.03: a fully held 1024-token prefix (bonus ~1.1) moves only once its holder runs
+~35 more requests than another worker, so a hot prefix gets replicas under load and stays put otherwise.
+Same-run A/Bs, 3 repeats (`kv_aware@inflight_weight=...`; quick runs, their figures in issue 9's note):
+closed zipf_hot makespan 12.7 -> 11.4 (0.01) -> 10.9 s (0.03), end-to-end p99 4.1 -> 3.3 s, requests per
+worker 155-478 -> 238-263, prefix hit rate 86% unchanged; open zipf_hot at 80% end-to-end p99 2.9 -> 2.1 s,
+TTFT p50 44 -> 34 ms, TTFT p99 equal within the spread; closed kv_pressure makespan 13.8 -> 13.1 s,
+preemptions 8 -> 0 per 1000 requests; lengths, sessions, bursts, two_models within the spread.
+
 Scale: admission hands select_from() a roster (proxy/routing/candidates.py) that keeps its members
 sorted by (round(load_cost, 9), in flight) as their loads change; load_cost is cost without the
 prefix term, computed with the same arithmetic. For a worker the prefix index does not name, that
@@ -120,6 +140,9 @@ CREDIT_PER_USAGE = 0.0
 # The credit grows by this much per unit of the cached prefix's share of the worker's KV capacity
 # (cached / capacity): a prefix that fills much of a cache stays put (docstring, "Prefill backlog")
 CREDIT_PER_CACHE_SHARE = 5.0
+# Weight of each request in flight on the worker (its batch and queue; the proxy's own count): see the
+# docstring's "Decode batch"
+INFLIGHT_WEIGHT = 0.03
 # select_from() scores this many of the least loaded candidates plus the prefix holders (module docstring).
 SHORTLIST = 8
 
@@ -127,7 +150,8 @@ SHORTLIST = 8
 def load_cost(load: WorkerLoad) -> float:
     """cost() of a worker holding no prefix of the request, as of its load's last event (the roster's key)."""
     usage, queue = load.usage_and_queue()
-    return usage + QUEUE_WEIGHT * queue + BACKLOG_WEIGHT * load.prefill_backlog / load.capacity_tokens
+    return (usage + QUEUE_WEIGHT * queue + INFLIGHT_WEIGHT * load.in_flight
+            + BACKLOG_WEIGHT * load.prefill_backlog / load.capacity_tokens)
 
 
 def prefix_bonus(request: RoutedRequest, cached: int, capacity_tokens: int, usage: float = 0.0) -> float:
@@ -145,7 +169,8 @@ def prefix_bonus(request: RoutedRequest, cached: int, capacity_tokens: int, usag
 def worker_cost(load: WorkerLoad, request: RoutedRequest, cached: int, now: float) -> float:
     """cost(w) of the module docstring for a worker that caches `cached` of the request's prompt tokens."""
     usage = load.projected_kv_usage(now)
-    return (usage + QUEUE_WEIGHT * load.queue_depth(now) + BACKLOG_WEIGHT * load.prefill_backlog / load.capacity_tokens
+    return (usage + QUEUE_WEIGHT * load.queue_depth(now) + INFLIGHT_WEIGHT * load.in_flight
+            + BACKLOG_WEIGHT * load.prefill_backlog / load.capacity_tokens
             - prefix_bonus(request, cached, load.capacity_tokens, usage))
 
 

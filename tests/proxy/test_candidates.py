@@ -24,7 +24,7 @@ from proxy.request import CHAT, parse_request
 from proxy.routing.admission import AdmissionController
 from proxy.routing.base import PolicyDeps, make_policy
 from proxy.routing.candidates import Roster, members_in_order
-from proxy.routing.kv_aware import BACKLOG_WEIGHT, QUEUE_WEIGHT, SHORTLIST, load_cost
+from proxy.routing.kv_aware import BACKLOG_WEIGHT, INFLIGHT_WEIGHT, QUEUE_WEIGHT, SHORTLIST, load_cost
 from proxy.routing.prefix_index import PrefixIndex
 
 
@@ -145,6 +145,7 @@ def assert_order_is_true(fleet: Fleet, roster: Roster) -> None:
     admitting = roster.admitting
     assert entries == sorted(entries)
     fresh = {w.worker_id: (round(w.load.projected_kv_usage(now) + QUEUE_WEIGHT * w.load.queue_depth(now)
+                                 + INFLIGHT_WEIGHT * w.load.in_flight
                                  + BACKLOG_WEIGHT * w.load.prefill_backlog / w.load.capacity_tokens, 9),
                            w.load.in_flight) for w in roster.workers}
     assert [e[:2] for e in entries] == [fresh[w.worker_id] for w in members_in_order(entries)]
@@ -191,8 +192,9 @@ def test_forgotten_dispatches_reorder_workers_no_event_touched():
     fleet.clock.now += DISPATCH_FORGET_AFTER_S + 0.1  # nothing happens to w7: time alone forgets those
     assert_order_is_true(fleet, roster)
     entries = roster.order(load_cost)
-    # its KV estimate is gone (still in flight: last among equals by the in-flight tie-break)
-    assert entries[-1][3].worker is loaded and entries[-1][0] == entries[0][0] == 0.2
+    # its KV estimate is gone; its 10 requests still in flight keep it last
+    assert entries[-1][3].worker is loaded and entries[0][0] == 0.2
+    assert entries[-1][0] == round(0.2 + 10 * INFLIGHT_WEIGHT, 9)
 
 
 def test_a_request_longer_than_some_workers_context_goes_only_to_the_others_and_400_past_all():

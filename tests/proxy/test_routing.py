@@ -69,9 +69,11 @@ def test_kv_aware_spreads_a_burst_by_projected_usage():
     low, high = worker("low", 0.10, capacity=20_000), worker("high", 0.30, capacity=20_000)
     picks = Counter(dispatch(policy, [low, high], request(f"question {i}", max_tokens=200)).worker.worker_id
                     for i in range(100))
-    # 'low' first absorbs its 0.2 head start (each request adds ~0.01 KV + 0.02 queue), then they alternate
+    # 'low' first absorbs its 0.2 head start (each request adds ~0.01 KV + 0.02 queue + 0.03 in flight), then
+    # they alternate
     assert picks["low"] > picks["high"] >= 35
-    costs = [w.load.projected_kv_usage(NOW) + 0.02 * w.load.queue_depth(NOW) for w in (low, high)]
+    costs = [w.load.projected_kv_usage(NOW) + 0.02 * w.load.queue_depth(NOW) + 0.03 * w.load.in_flight
+             for w in (low, high)]
     assert abs(costs[0] - costs[1]) < 0.05
 
 
@@ -116,8 +118,8 @@ def test_kv_aware_gives_a_hot_prefix_a_replica_while_its_holder_has_prompts_queu
     system = "Shared instructions. " * 200  # ~500 tokens: a system prompt every cache can hold
     policy, a, b, holder, other = prefix_held_by_one_of_two(system)
     assert policy.select([a, b], request("q1", system=system), NOW).worker is holder
-    # a burst of new prompts lands on the holder: 12 x 1500 tokens it has not prefilled yet
-    queued = [holder.load.start_request(1600, NOW, prefill_tokens=1500) for _ in range(12)]
+    # a burst of new prompts lands on the holder: 4 x 4500 tokens it has not prefilled yet
+    queued = [holder.load.start_request(4600, NOW, prefill_tokens=4500) for _ in range(4)]
     # waiting behind 18000 tokens of prefill costs more than prefilling the 500-token prefix elsewhere
     assert policy.select([a, b], request("q2", system=system), NOW).worker is other
     # once they produced their first tokens the holder is the faster place again
@@ -150,6 +152,24 @@ def test_kv_aware_keeps_a_prefix_that_fills_a_large_share_of_the_cache_where_it_
     for _ in range(4):
         holder.load.start_request(5200, NOW, prefill_tokens=5000)
     assert policy.select([a, b], request("q2", system=system), NOW).worker is other
+
+
+def test_kv_aware_spreads_a_hot_prefix_once_its_holder_runs_many_more_requests():
+    system = "Shared instructions. " * 200  # a system prompt most of every request's prompt
+    policy, a, b, holder, other = prefix_held_by_one_of_two(system, 0.2, 65_536)
+
+    def decoding(n: int) -> None:  # n more requests past their prefill on the holder, then both workers report
+        for _ in range(n):
+            holder.load.first_output(holder.load.start_request(300, NOW, prefill_tokens=200))
+        holder.load.record_reading(EngineReading(0.3, holder.load.in_flight, 0, 65_536), NOW + 1, "report")
+        other.load.record_reading(EngineReading(0.25, 0, 0, 65_536), NOW + 1, "report")
+
+    # a batch of 10 on the holder: the cached prefix is worth more than a slightly smaller batch elsewhere
+    decoding(9)
+    assert policy.select([a, b], request("q1", system=system), NOW + 1).worker is holder
+    # a batch of 50: every step there is slower for each of them, so a replica is worth its prefill
+    decoding(40)
+    assert policy.select([a, b], request("q2", system=system), NOW + 1).worker is other
 
 
 def test_kv_aware_debug_log_shows_each_candidates_predicted_first_token_time(caplog):
