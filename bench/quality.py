@@ -167,7 +167,7 @@ def _calibrate_one(args: argparse.Namespace, w: Workload, route: str, log_dir: P
 # ---- aggregation and rendering (from the JSON alone) ------------------------------------------------
 METRICS = ("req_per_s", "makespan_s", "ttft_p50", "ttft_p99", "goodput_frac", "rejected_429", "rejected_503",
            "failed", "prefix_hit", "prefill_tokens", "preemptions", "engine_lag_s", "router_cpu", "oracle_decision_p50_s",
-           "ttft_p99_warm")
+           "ttft_p99_warm", "lat_p99")
 
 
 def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -283,7 +283,8 @@ def render(data: dict[str, Any]) -> str:
                f"Prefix hit, prefilled tokens, preemptions and requests per worker are the engines' own counters "
                f"(/sim/state deltas). p99 after 1st wave (closed loop) = TTFT p99 of the requests sent after the "
                f"first response finished: the loop's steady tail, without every client's first request onto the cold "
-               f"fleet at once (~13% of a cell, so the cell's p99 is that cold start's). Router CPU = share of one core; engine lag = simulated seconds the busiest sim fell "
+               f"fleet at once (~13% of a cell, so the cell's p99 is that cold start's). End-to-end p99 = p99 of "
+               f"the time from sending a request to its last byte (decode included). Router CPU = share of one core; engine lag = simulated seconds the busiest sim fell "
                f"behind the wall clock (CPU starvation; should be ~0). kvroute's default policy: "
                f"`{meta['default_policy']}`.\n")
     v = verdicts(aggs)
@@ -306,12 +307,12 @@ def render(data: dict[str, Any]) -> str:
             rows.append([_load_name(a["load"]), label, a["repeats"],
                          _cell(a, "makespan_s", digits=1) if a["load"] == "closed" else _cell(a, "req_per_s", digits=2),
                          _cell(a, "ttft_p50", 1000), _cell(a, "ttft_p99", 1000), _cell(a, "ttft_p99_warm", 1000),
-                         _cell(a, "goodput_frac", 100, 0, "%"), f"{_cell(a, 'rejected_429')}/{_cell(a, 'rejected_503')}", _cell(a, "failed"),
+                         _cell(a, "lat_p99", 1000), _cell(a, "goodput_frac", 100, 0, "%"), f"{_cell(a, 'rejected_429')}/{_cell(a, 'rejected_503')}", _cell(a, "failed"),
                          _cell(a, "prefix_hit", 100, 0, "%"), _cell(a, "prefill_tokens", 1e-3, 0, "k"),
                          _cell(a, "preemptions"), "/".join(str(x) for x in a["per_worker"]),
                          _cell(a, "router_cpu", 100, 0, "%"), _cell(a, "engine_lag_s", digits=2)])
         out.append(md_table(["load", "route", "reps", "makespan s (closed) / req/s (open)", "TTFT p50 ms",
-                             "TTFT p99 ms", "p99 after 1st wave", "goodput", "429/503", "failed", "prefix hit", "prefilled",
+                             "TTFT p99 ms", "p99 after 1st wave", "end-to-end p99 ms", "goodput", "429/503", "failed", "prefix hit", "prefilled",
                              "preempt", "requests per worker", "router CPU", "engine lag s"], rows))
         out.append("")
         for failure in data.get("failed_cells", []):
