@@ -80,22 +80,22 @@ worker; `kv_aware@backlog_weight=..+cached_credit=..` runs other values; the run
   counts running requests, not cached prefixes: bursts' after-wave p99 rose (124 -> 156 ms at 1.0).
   The full matrices with this default are in README's Performance section.
 
-Decode batch, on by default since 2026-12-01 (session 8): the terms above price a request's first token
+Decode batch, on by default since 2026-12-01 (night): the terms above price a request's first token
 and left out the rest of its life. On w its output comes one token per engine step, and a step grows with
 the batch (per-sequence overhead plus reading every running sequence's KV; backends/sim/cost.py models
 vLLM's): a worker running twice the requests of another gives each of its requests a slower decode, and the
 request sent there slows every one of them a little more. The prefix terms alone kept a hot prefix on its
-holder however large the holder's batch grew (zipf_hot: one worker served 48-54% of the requests, its
-requests' end-to-end p99 35% above sglang-router's, which spreads by in-flight count). So
+holder however large the holder's batch grew (zipf_hot, open loop: one worker served about half of the
+requests, 477-546 of 1000; end-to-end p99 35-40% above sglang-router's, which spreads by in-flight count). So
 
     cost(w) += INFLIGHT_WEIGHT * in_flight(w)
 
 in_flight(w) is exact (the proxy's own count, no report lag) and request-independent, so it joins the
 roster key. INFLIGHT_WEIGHT 0.03: a fully held 1024-token prefix (bonus ~1.1) moves only once its holder runs
 ~35 more requests than another worker, so a hot prefix gets replicas under load and stays put otherwise.
-Same-run A/Bs, 3 repeats (`kv_aware@inflight_weight=...`; quick runs, their figures in issue 9's note):
+Same-run A/Bs, 3 repeats (`kv_aware@inflight_weight=...`; bench/results/2026-12-01-quality-inflight-ab-*.md):
 closed zipf_hot makespan 12.7 -> 11.4 (0.01) -> 10.9 s (0.03), end-to-end p99 4.1 -> 3.3 s, requests per
-worker 155-478 -> 238-263, prefix hit rate 86% unchanged; open zipf_hot at 80% end-to-end p99 2.9 -> 2.1 s,
+worker 155-478 -> 231-263, prefix hit rate 86% unchanged; open zipf_hot at 80% end-to-end p99 2.9 -> 2.1 s,
 TTFT p50 44 -> 34 ms, TTFT p99 equal within the spread; closed kv_pressure makespan 13.8 -> 13.1 s,
 preemptions 8 -> 0 per 1000 requests; lengths, sessions, bursts, two_models within the spread.
 
