@@ -164,7 +164,7 @@ def test_kv_aware_spreads_a_hot_prefix_once_its_holder_runs_many_more_requests()
         holder.load.record_reading(EngineReading(0.3, holder.load.in_flight, 0, 65_536), NOW + 1, "report")
         other.load.record_reading(EngineReading(0.25, 0, 0, 65_536), NOW + 1, "report")
 
-    # a batch of 10 on the holder: the cached prefix is worth more than a slightly smaller batch elsewhere
+    # a batch of 10 on the holder: the cached prefix is worth more than the idle worker
     decoding(9)
     assert policy.select([a, b], request("q1", system=system), NOW + 1).worker is holder
     # a batch of 50: every step there is slower for each of them, so a replica is worth its prefill
