@@ -172,15 +172,24 @@ def default_policy() -> str:
     return str(ProxyConfig().policy)
 
 
+BARE_RELAY = "bare-relay"  # bench/bare_relay.py: round robin and nothing else, the floor of a Python relay
+
+
 def start_oracle(fleet: Fleet, timeout: float = 60.0) -> RunningRouter:
     """bench/oracle.py over the fleet's sim workers (bench only: reads each engine's true state)."""
+    return start_bench_router(fleet, "bench.oracle", "oracle", timeout=timeout)
+
+
+def start_bench_router(fleet: Fleet, module: str, name: str, path: str = "/v1/models",
+                       timeout: float = 60.0) -> RunningRouter:
+    """A router the bench itself provides (`python -m MODULE --port P URL...`), started and waited for."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log_path = fleet.log_dir / f"oracle-{port}.log"
-    popen = spawn([sys.executable, "-m", "bench.oracle", "--port", str(port), *fleet.urls], log_path)
-    router = RunningRouter("oracle", url, popen, log_path, ProcessTree(popen.pid))
+    log_path = fleet.log_dir / f"{name}-{port}.log"
+    popen = spawn([sys.executable, "-m", module, "--port", str(port), *fleet.urls], log_path)
+    router = RunningRouter(name, url, popen, log_path, ProcessTree(popen.pid))
     try:
-        wait_ready(url, popen, log_path, timeout=timeout)
+        wait_ready(url, popen, log_path, timeout=timeout, path=path)
     except BaseException:
         router.stop()
         raise
@@ -188,11 +197,14 @@ def start_oracle(fleet: Fleet, timeout: float = 60.0) -> RunningRouter:
 
 
 def start_router(kind: str, policy: str, fleet: Fleet) -> RunningRouter:
-    """kind 'kvroute' (policy 'default' = ProxyConfig's), 'oracle' or a peer name; peers get the worker URLs."""
+    """kind 'kvroute' (policy 'default' = ProxyConfig's), 'oracle', 'bare-relay' or a peer name; peers get
+    the worker URLs."""
     if kind == "kvroute":
         return start_kvroute(fleet, default_policy() if policy in ("", "default") else policy)
     if kind == "oracle":
         return start_oracle(fleet)
+    if kind == BARE_RELAY:
+        return start_bench_router(fleet, "bench.bare_relay", BARE_RELAY, path="/health")
     return start_peer(kind, policy, fleet.urls, free_port(), free_port(), fleet.log_dir)
 
 

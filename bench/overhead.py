@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.fleet import Fleet, SimWorkerSpec, start_router
+from bench.fleet import BARE_RELAY, Fleet, SimWorkerSpec, start_router
 from bench.loadgen import LoadGenerator, RequestSpec, chat_body, summarize
 from bench.report import environment_note, fmt, md_table, ms, plot_cdfs, results_path, write_json
 
@@ -230,6 +230,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="kvroute policies to run also on the previous aiohttp data plane, comma-separated")
     p.add_argument("--with-keys", default="",
                    help="kvroute policies to run also with client API keys on, comma-separated")
+    p.add_argument("--bare-relay", action="store_true",
+                   help="also run bench/bare_relay.py (round robin and nothing else: the floor of a Python relay)")
     p.add_argument("--peers", default=",".join(sorted({p for p, _ in PEER_ROUTES})),
                    help="peer routers to include, comma-separated")
     p.add_argument("--workloads", default="stream,stress,nonstream")
@@ -243,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
     routes += [("kvroute", p) for p in args.policies.split(",") if p]
     routes += [(OLD_PATH, p) for p in args.old_path.split(",") if p]
     routes += [(KEYS_PATH, p) for p in args.with_keys.split(",") if p]
+    if args.bare_relay:
+        routes.append((BARE_RELAY, "round_robin"))
     if not args.no_peers:
         wanted = set(args.peers.split(","))
         routes += [r for r in PEER_ROUTES if r[0] in wanted]

@@ -56,25 +56,29 @@ def _processes_marked(mark: str) -> list[int]:
 
 
 def test_overhead_smoke_produces_table_with_no_failed_requests(procs, tmp_path):
-    _run_bench(procs, tmp_path, "overhead", "--scale", "0.05", "--warmup", "20", "--no-peers",
+    _run_bench(procs, tmp_path, "overhead", "--scale", "0.05", "--warmup", "20", "--no-peers", "--bare-relay",
                "--policies", "kv_aware", "--workloads", "stream,nonstream", "--repeats", "2")
     md_files = list(tmp_path.glob("*-overhead.md"))
     assert len(md_files) == 1
     md = md_files[0].read_text()
-    rows = _table_rows(md, r"direct|direct \(again\)|kvroute:kv_aware")
-    # per run: direct, kvroute, direct again x two repeats x two workloads; then kvroute over the repeats per workload
-    assert len(rows) == 2 * 2 * 3 + 2, md
+    rows = _table_rows(md, r"direct|direct \(again\)|kvroute:kv_aware|bare-relay:round_robin")
+    # per run: direct, kvroute, the bare relay, direct again x two repeats x two workloads; then kvroute and the
+    # bare relay over the repeats per workload
+    assert len(rows) == 2 * 2 * 4 + 2 * 2, md
     assert "## Over the repeats: median (min..max)" in md
-    assert [r[1] for r in rows[-2:]] == ["2", "2"], md  # the summary rows count both repeats
+    assert [r[1] for r in rows[-4:]] == ["2"] * 4, md  # the summary rows count both repeats
     rows_json = json.loads(next(tmp_path.glob("*-overhead.json")).read_text())
     assert {(r["route"], r["workload"], r["repeat"]) for r in rows_json} == {
-        (route, wl, k) for route in ("direct", "kvroute:kv_aware", "direct (again)") for wl in ("stream", "nonstream")
-        for k in (0, 1)}
+        (route, wl, k) for route in ("direct", "kvroute:kv_aware", "bare-relay:round_robin", "direct (again)")
+        for wl in ("stream", "nonstream") for k in (0, 1)}
     for r in rows_json:
         assert r["failed"] == 0 and r["rejected"] == 0, r
         assert r["ok"] == r["requests"] == 100
-    kv = next(r for r in rows_json if r["route"] == "kvroute:kv_aware" and r["workload"] == "stream")
-    assert kv["cpu_us_per_req"] > 0 and kv["rss_mb"] > 0  # the router's /proc figures were read
+    for route in ("kvroute:kv_aware", "bare-relay:round_robin"):
+        row = next(r for r in rows_json if r["route"] == route and r["workload"] == "stream")
+        assert row["cpu_us_per_req"] > 0 and row["rss_mb"] > 0  # the router's /proc figures were read
+    bare = [r for r in rows_json if r["route"] == "bare-relay:round_robin"]
+    assert all(r["spread"] == 0 for r in bare), bare  # round robin: every worker served the same count
     assert bool(list(tmp_path.glob("*-overhead-stream-latency-cdf.png"))) == HAVE_MATPLOTLIB
     wait_until(lambda: not _processes_marked(str(tmp_path)), 10, 0.2, "the bench's processes to be gone")
 
