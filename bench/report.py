@@ -16,11 +16,15 @@ from typing import Any
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+# The day the run started (UTC): a run that crosses midnight keeps writing the same files.
+RUN_DATE = time.strftime("%Y-%m-%d", time.gmtime())
+
+
 def results_path(name: str, suffix: str, out_dir: Path | None = None) -> Path:
-    """bench/results/<YYYY-MM-DD>-<name><suffix>, the date of the run (UTC)."""
+    """bench/results/<YYYY-MM-DD>-<name><suffix>, the date the run started (UTC)."""
     d = out_dir or RESULTS_DIR
     d.mkdir(parents=True, exist_ok=True)
-    return d / f"{time.strftime('%Y-%m-%d', time.gmtime())}-{name}{suffix}"
+    return d / f"{RUN_DATE}-{name}{suffix}"
 
 
 def fmt(value: Any, unit: str = "", digits: int = 1, signed: bool = False) -> str:
