@@ -57,7 +57,10 @@ class Upstream(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         client, self.client = self.client, None
-        if not self.closed:
+        if self.closed or not self.parser.should_keep_alive():  # the worker ends this connection: not reusable
+            self.closed = True
+            self.transport.close()
+        else:
             self.pool.append(self)
         client.response_done()
 
