@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -175,18 +176,20 @@ def default_policy() -> str:
 BARE_RELAY = "bare-relay"  # bench/bare_relay.py: round robin and nothing else, the floor of a Python relay
 
 
-def start_oracle(fleet: Fleet, timeout: float = 60.0) -> RunningRouter:
-    """bench/oracle.py over the fleet's sim workers (bench only: reads each engine's true state)."""
-    return start_bench_router(fleet, "bench.oracle", "oracle", timeout=timeout)
+def start_oracle(fleet: Fleet, policy: str = "", timeout: float = 60.0) -> RunningRouter:
+    """bench/oracle.py over the fleet's sim workers (bench only: reads each engine's true state); `policy`:
+    its scoring ('' or 'ttft': predicted TTFT; 'kv_aware': kvroute's default cost on the true state)."""
+    return start_bench_router(fleet, "bench.oracle", "oracle", timeout=timeout,
+                              extra=("--policy", policy) if policy else ())
 
 
 def start_bench_router(fleet: Fleet, module: str, name: str, path: str = "/v1/models",
-                       timeout: float = 60.0) -> RunningRouter:
-    """A router the bench itself provides (`python -m MODULE --port P URL...`), started and waited for."""
+                       timeout: float = 60.0, extra: Sequence[str] = ()) -> RunningRouter:
+    """A router the bench itself provides (`python -m MODULE --port P [EXTRA] URL...`), started and waited for."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = fleet.log_dir / f"{name}-{port}.log"
-    popen = spawn([sys.executable, "-m", module, "--port", str(port), *fleet.urls], log_path)
+    popen = spawn([sys.executable, "-m", module, "--port", str(port), *extra, *fleet.urls], log_path)
     router = RunningRouter(name, url, popen, log_path, ProcessTree(popen.pid))
     try:
         wait_ready(url, popen, log_path, timeout=timeout, path=path)
@@ -202,7 +205,7 @@ def start_router(kind: str, policy: str, fleet: Fleet) -> RunningRouter:
     if kind == "kvroute":
         return start_kvroute(fleet, default_policy() if policy in ("", "default") else policy)
     if kind == "oracle":
-        return start_oracle(fleet)
+        return start_oracle(fleet, policy)
     if kind == BARE_RELAY:
         return start_bench_router(fleet, "bench.bare_relay", BARE_RELAY, path="/health")
     return start_peer(kind, policy, fleet.urls, free_port(), free_port(), fleet.log_dir)

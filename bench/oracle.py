@@ -2,11 +2,11 @@
 
 Owns the oracle's TTFT prediction and its forwarding; it is a bound for the quality benchmark, never a policy.
 It tokenizes each request once with the sim's own rules (backends/sim/tokens.py), asks every sim worker
-serving the body's model `POST /sim/probe` with the token ids (the request's cached prefix there, the
-waiting and running queues, free KV blocks: read from the engine itself, no report interval), predicts
-the request's TTFT on each with the sim's own step-time model (backends/sim/cost.py), and forwards the
-request to the minimum of predicted TTFT + EVICT_WEIGHT x the prefill time of the cached blocks it
-would evict there.
+serving the body's model `POST /sim/probe` with the hashes of the prompt's full blocks (hashed once
+here), which answers with the request's cached prefix there, the waiting and running queues and the free
+KV blocks (read from the engine itself, no report interval), predicts the request's TTFT on each with
+the sim's own step-time model (backends/sim/cost.py), and forwards the request to the minimum of
+predicted TTFT + EVICT_WEIGHT x the prefill time of the cached blocks it would evict there.
 
 Prediction on worker w (simulated seconds), with R running sequences and a token budget B per step:
 - this request's uncached tokens = prompt - the longest prefix that is cached there, or that a request queued
@@ -23,6 +23,20 @@ pricing them at half their prefill time keeps hot prefixes on their owners. With
 greedy TTFT) a smoke run in a closed loop on kv_pressure copied every prefix everywhere: engines' hit
 rate 51% against 88-90% for kvroute and sglang cache_aware, p50 TTFT 9 s. The oracle is a strong,
 fully informed reference, not a proof of optimality. Run: python -m bench.oracle --port P URL...
+
+`--policy kv_aware` (route `oracle:kv_aware`) scores instead with kvroute's default cost function
+(proxy/routing/kv_aware.py, its weights imported) fed the true state: the prefix each worker really holds
+(or is computing) in place of the proxy's prefix index, true KV usage, waiting queue, requests on the
+engine and prefill backlog (waiting requests' uncached tokens and running ones' unfinished prefill) in
+place of reports up to one interval old and the proxy's own estimates.
+
+Neither scoring is a bound under KV pressure (kv_pressure at 95% load, 2026-12-02, one run each): engine
+prefix hit rate 60% (ttft) and 62-68% (kv_aware) where kvroute's default reached 95%, TTFT p50 7-10 s.
+A prefix evicted from its holder's cache looks cold on every worker to a router that reads only the
+caches, so it goes to whichever worker is least loaded and pushes that worker's prefixes out in turn;
+kvroute's prefix index remembers the owner and sends the prefix back there. Deciding one request at a
+time (each seeing the previous ones as in transit) did not change it (62-68%), so it is not the
+probes' overlap. A bound needs that memory too, or a search over placements.
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ import asyncio
 import functools
 import itertools
 import math
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +60,7 @@ from backends.sim.cost import StepWork, step_time_s
 from backends.sim.kvcache import block_hashes
 from backends.sim.presets import Preset, get_preset
 from backends.sim.tokens import Prompt, chat_prompt, completion_prompt
+from proxy.routing import kv_aware
 
 WORKER_HEADER = "x-kvroute-worker"
 IN_TRANSIT_KEEP_S = 2.0  # how long an acknowledged send still counts as possibly unseen by later probes
@@ -64,6 +80,7 @@ class Sent:
 class WorkerView:
     url: str
     model: str = ""
+    block_size: int = 16
     in_transit: list[Sent] = field(default_factory=list)
 
 
@@ -115,6 +132,30 @@ def predict_ttft_s(preset: Preset, probe: dict[str, Any], extra_ahead_tokens: in
     return t
 
 
+class _Prompt:
+    """What kv_aware.prefix_bonus reads of a request."""
+
+    __slots__ = ("prompt_tokens",)
+
+    def __init__(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+
+
+def kv_aware_cost(probe: dict[str, Any], cached: int, unseen: list[Sent]) -> float:
+    """kvroute's kv_aware cost(w) (proxy/routing/kv_aware.py) on the probed worker's true state; `unseen`:
+    what the oracle sent there that the probe may not show yet (counted as waiting, uncached)."""
+    bs = probe["block_size"]
+    capacity = probe["num_blocks"] * bs
+    usage = (probe["num_blocks"] - probe["free_blocks"] + sum(s.blocks for s in unseen)) / probe["num_blocks"]
+    queue = len(probe["waiting"]) + len(unseen)
+    in_flight = queue + len(probe["running"])
+    backlog = (sum(w[0] for w in probe["waiting"]) + sum(r[0] for r in probe["running"])
+               + sum(s.uncached_tokens for s in unseen))
+    return (usage + kv_aware.QUEUE_WEIGHT * queue + kv_aware.INFLIGHT_WEIGHT * in_flight
+            + kv_aware.BACKLOG_WEIGHT * backlog / capacity
+            - kv_aware.prefix_bonus(_Prompt(probe["prompt_tokens"]), cached, capacity, usage))  # type: ignore[arg-type]
+
+
 def _memoize_tokenizer() -> None:
     """In this process only: remember the sim tokenizer's answers for texts and images seen before (the shared
     system prompts and images come back all the time), so the oracle's own CPU does not queue requests."""
@@ -134,11 +175,18 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
+POLICIES = ("ttft", "kv_aware")
+
+
 class Oracle:
-    def __init__(self, urls: list[str]) -> None:
+    def __init__(self, urls: list[str], policy: str = "ttft") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"oracle policy {policy!r}: one of {', '.join(POLICIES)}")
+        self.policy = policy
         self.workers = [WorkerView(u) for u in urls]
         self.presets: dict[str, Preset] = {}
         self._probes = itertools.count()
+        self.rng = random.Random(0)
         self.session: aiohttp.ClientSession | None = None
         self.decision_s: list[float] = []  # arrival to forwarding, per request
 
@@ -148,6 +196,8 @@ class Oracle:
         for w in self.workers:
             async with self.session.get(w.url + "/v1/models") as resp:
                 w.model = (await resp.json())["data"][0]["id"]
+            async with self.session.get(w.url + "/sim/state") as resp:
+                w.block_size = int((await resp.json())["block_size"])
 
     async def stop(self, _app: web.Application) -> None:
         if self.session:
@@ -181,7 +231,6 @@ class Oracle:
             body = orjson.loads(raw)
             model = body.get("model")
             prompt = self.prompt_of(body)
-            probe_raw = orjson.dumps({"token_ids": prompt.token_ids, "media_spans": prompt.media_spans})
         except (orjson.JSONDecodeError, ValueError, TypeError, AttributeError, KeyError) as exc:
             return web.json_response({"error": {"message": f"invalid request: {exc}", "type": "BadRequestError"}},
                                      status=400)
@@ -189,34 +238,49 @@ class Oracle:
         if not candidates:
             return web.json_response({"error": {"message": f"model {model!r} not served", "type": "NotFoundError",
                                                 "code": 404}}, status=404)
+        # the prompt's reusable full blocks, hashed once here (per block size) instead of in every sim it probes
+        by_size: dict[int, tuple[list[int], bytes]] = {}
+        for w in candidates:
+            if w.block_size not in by_size:
+                bs, n = w.block_size, len(prompt.token_ids)
+                chain = block_hashes(prompt.token_ids, bs, max(0, n - 1) // bs)
+                by_size[bs] = (chain, orjson.dumps({"block_hashes": chain, "prompt_tokens": n,
+                                                    "media_spans": prompt.media_spans}))
         seq = next(self._probes)
-        probes = await asyncio.gather(*(self._probe(w, probe_raw) for w in candidates))
+        probes = await asyncio.gather(*(self._probe(w, by_size[w.block_size][1]) for w in candidates))
         now = time.monotonic()
         best: tuple[float, int, WorkerView, dict[str, Any]] | None = None
+        ties = 0
         hashes: list[int] = []
         for w, p in zip(candidates, probes, strict=True):
             if p is None or p.get("draining"):
                 continue
             bs = p["block_size"]
-            if not hashes:
-                hashes = block_hashes(prompt.token_ids, bs, max(0, len(prompt.token_ids) - 1) // bs)
+            hashes = by_size[w.block_size][0]
             w.in_transit = [s for s in w.in_transit if s.acked_at_probe is None or now - s.acked_wall < IN_TRANSIT_KEEP_S]
             unseen = [s for s in w.in_transit if s.acked_at_probe is None or s.acked_at_probe > seq]
             match = max((_common(hashes, s.hashes) for s in unseen), default=0) * bs
             eff = effective_cached(p, match)
             p["pending_prefix_tokens"] = eff
             p["media_tokens_uncached"] = sum(max(0, a + n - max(a, eff)) for a, n in prompt.media_spans)
-            preset = self.presets.get(p["preset"]) or self.presets.setdefault(p["preset"], get_preset(p["preset"]))
-            t = predict_ttft_s(preset, p, sum(s.uncached_tokens for s in unseen), sum(s.blocks for s in unseen))
+            if self.policy == "kv_aware":
+                t = kv_aware_cost(p, eff, unseen)
+            else:
+                preset = self.presets.get(p["preset"]) or self.presets.setdefault(p["preset"], get_preset(p["preset"]))
+                t = predict_ttft_s(preset, p, sum(s.uncached_tokens for s in unseen), sum(s.blocks for s in unseen))
             key = (t, len(p["running"]) + len(p["waiting"]) + len(unseen))
             if best is None or key < best[:2]:
-                best = (*key, w, p)
+                best, ties = (*key, w, p), 1
+            elif key == best[:2]:  # ties at random (reservoir sampling), not to the first worker listed
+                ties += 1
+                if self.rng.random() * ties < 1.0:
+                    best = (*key, w, p)
         if best is None:
             return web.json_response({"error": {"message": "no worker answered the probe",
                                                 "type": "ServiceUnavailableError", "code": 503}}, status=503)
         _, _, w, p = best
         uncached = max(1, p["prompt_tokens"] - effective_cached(p))
-        sent = Sent(uncached, -(-uncached // p["block_size"]), hashes)
+        sent = Sent(uncached, -(-uncached // p["block_size"]), by_size[w.block_size][0])
         w.in_transit.append(sent)
         self.decision_s.append(time.perf_counter() - t0)
         return await self._relay(request, w, raw, sent)
@@ -248,8 +312,8 @@ class Oracle:
                 sent.acked_at_probe, sent.acked_wall = -1, time.monotonic()
 
 
-def build_app(urls: list[str]) -> web.Application:
-    oracle = Oracle(urls)
+def build_app(urls: list[str], policy: str = "ttft") -> web.Application:
+    oracle = Oracle(urls, policy)
     app = web.Application(client_max_size=64 * 1024**2)
     app.router.add_post("/v1/chat/completions", oracle.forward)
     app.router.add_post("/v1/completions", oracle.forward)
@@ -265,13 +329,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--policy", choices=POLICIES, default="ttft",
+                   help="ttft: predicted TTFT + eviction price (the default); kv_aware: kvroute's default cost on the true state")
     p.add_argument("urls", nargs="+", help="sim worker base URLs")
     args = p.parse_args()
     import uvloop
 
     uvloop.install()
     _memoize_tokenizer()
-    web.run_app(build_app(args.urls), host=args.host, port=args.port, access_log=None, print=None)
+    web.run_app(build_app(args.urls, args.policy), host=args.host, port=args.port, access_log=None, print=None)
     return 0
 
 

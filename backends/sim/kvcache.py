@@ -20,9 +20,15 @@ class Block:
         self.block_hash: int | None = None
 
 
+# The chain's root. Not None: hash(None) differs from process to process before Python 3.12, and the
+# oracle (bench/oracle.py) hashes prompts once in its own process for every sim it probes.
+_ROOT_HASH = 0x5F3759DF
+
+
 def hash_block(parent_hash: int | None, tokens: Sequence[int]) -> int:
-    """Hash of one full block, chained on its parent's so equal hashes mean equal prefixes."""
-    return hash((parent_hash, tuple(tokens)))
+    """Hash of one full block, chained on its parent's so equal hashes mean equal prefixes (the same in
+    every process: the token ids are, and so are hashes of int tuples)."""
+    return hash((_ROOT_HASH if parent_hash is None else parent_hash, tuple(tokens)))
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
@@ -98,6 +104,23 @@ class KVCache:
                 break
             hits.append(block)
         return hits
+
+    def cached_run(self, hashes: Sequence[int]) -> int:
+        """How many of these leading full-block hashes are cached, in a row from the first (no room kept
+        for the last token: the caller passes only the blocks a prompt could reuse)."""
+        if not self.enable_prefix_caching:
+            return 0
+        cached = self._cached
+        n = 0
+        for h in hashes:
+            if h not in cached:
+                break
+            n += 1
+        return n
+
+    def num_free_cached_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix (allocating them evicts it). O(cached blocks)."""
+        return sum(1 for b in self._cached.values() if b.ref_cnt == 0)
 
     # ---- changes -------------------------------------------------------------------------------
     def allocate_slots(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,

@@ -71,6 +71,7 @@ class SimServer:
         self.draining = False
         self.in_flight = 0
         self.requests_received = 0
+        self._queues_memo: tuple[tuple[int, ...], bytes] | None = None  # see _queues()
         self.idle = asyncio.Event()
         self.idle.set()
         self._rng = random.Random(seed)
@@ -144,33 +145,56 @@ class SimServer:
     async def probe(self, request: web.Request) -> web.Response:
         """What this engine holds for a prompt, read-only: the cached prefix and the queues ahead of it
         (bench/oracle.py's zero-delay view of the true state; not part of vLLM's API). The body is
-        {"token_ids": [...], "media_spans": [[start, length], ...]} (the oracle tokenizes once, with
-        backends.sim.tokens) or an OpenAI request body."""
+        {"block_hashes": [...], "prompt_tokens": N, "media_spans": [[start, length], ...]} (the oracle
+        tokenizes and hashes once, with backends.sim.tokens and kvcache.block_hashes: only the blocks the
+        prompt could reuse), {"token_ids": [...], "media_spans": ...}, or an OpenAI request body."""
         try:
             body = orjson.loads(await request.read())
-            if "token_ids" in body:
-                token_ids, spans = body["token_ids"], [tuple(x) for x in body.get("media_spans", [])]
+            kv = self.engine.kv
+            if "block_hashes" in body:
+                hashes, prompt_tokens = [int(h) for h in body["block_hashes"]], int(body["prompt_tokens"])
+                spans = [tuple(x) for x in body.get("media_spans", [])]
             else:
-                prompt = chat_prompt(body["messages"]) if "messages" in body else completion_prompt(body.get("prompt", ""))
-                token_ids, spans = prompt.token_ids, prompt.media_spans
+                if "token_ids" in body:
+                    token_ids, spans = body["token_ids"], [tuple(x) for x in body.get("media_spans", [])]
+                else:
+                    prompt = (chat_prompt(body["messages"]) if "messages" in body
+                              else completion_prompt(body.get("prompt", "")))
+                    token_ids, spans = prompt.token_ids, prompt.media_spans
+                prompt_tokens = len(token_ids)
+                hashes = block_hashes(token_ids, kv.block_size, max(0, prompt_tokens - 1) // kv.block_size)
         except (orjson.JSONDecodeError, ValueError, TypeError, AttributeError, KeyError) as exc:
             return _error(400, f"cannot probe: {exc}", "BadRequestError")
-        sched, kv = self.engine.scheduler, self.engine.kv
-        hashes = block_hashes(token_ids, kv.block_size, max(0, len(token_ids) - 1) // kv.block_size)
-        cached = len(kv.find_cached_prefix(token_ids, hashes)) * kv.block_size
+        sched = self.engine.scheduler
+        cached = kv.cached_run(hashes) * kv.block_size
         media_uncached = sum(max(0, s + n - max(s, cached)) for s, n in spans)
         # blocks that queued or running requests will have cached once computed (same prefix, not yet hashed);
-        # bounded work per probe (8 matching requests, 32 waiting ones looked up) so probing does not starve the engine
+        # bounded work per probe (8 matching requests) so probing does not starve the engine
         pending, matched = 0, 0
-        for r in (*sched.waiting, *sched.running):
-            theirs = r.full_block_hashes(kv.block_size)
-            if theirs and hashes and theirs[0] == hashes[0]:
-                n = next((i for i, (a, b) in enumerate(zip(hashes, theirs, strict=False)) if a != b),
-                         min(len(hashes), len(theirs)))
-                pending = max(pending, n * kv.block_size)
-                matched += 1
-                if matched >= 8:
-                    break
+        if hashes:
+            first = hashes[0]
+            for r in (*sched.waiting, *sched.running):
+                theirs = r.full_block_hashes(kv.block_size)
+                if theirs and theirs[0] == first:
+                    n = next((i for i, (a, b) in enumerate(zip(hashes, theirs, strict=False)) if a != b),
+                             min(len(hashes), len(theirs)))
+                    pending = max(pending, n * kv.block_size)
+                    matched += 1
+                    if matched >= 8:
+                        break
+        mine = orjson.dumps({"model": self.model, "preset": self.preset.name, "time_scale": self.engine.time_scale,
+                             "prompt_tokens": prompt_tokens, "cached_tokens": cached, "pending_prefix_tokens": pending,
+                             "media_tokens_uncached": media_uncached, "draining": self.draining})
+        return web.Response(body=mine[:-1] + b"," + self._queues()[1:], content_type="application/json")
+
+    def _queues(self) -> bytes:
+        """The probe's request-independent part, a JSON object: the queues and free blocks. They change only
+        at an engine step, an arrival or an abort, so they are computed once per such change, not per probe."""
+        sched, kv = self.engine.scheduler, self.engine.kv
+        key = (self.engine.num_steps, self.requests_received, sched.num_finished, len(sched.waiting),
+               len(sched.running))
+        if self._queues_memo is not None and self._queues_memo[0] == key:
+            return self._queues_memo[1]
         waiting, hit_frac = [], []
         for i, r in enumerate(sched.waiting):
             if i < 32:
@@ -181,13 +205,13 @@ class SimServer:
             waiting.append([r.num_tokens - hit, r.max_tokens - r.num_output_tokens])
         running = [[r.num_tokens - r.num_computed_tokens, r.max_tokens - r.num_output_tokens,
                     len(kv.blocks_of(r.request_id)), r.num_tokens] for r in sched.running]
-        return _json({"model": self.model, "preset": self.preset.name, "time_scale": self.engine.time_scale,
-                      "prompt_tokens": len(token_ids), "cached_tokens": cached, "pending_prefix_tokens": pending,
-                      "media_tokens_uncached": media_uncached, "block_size": kv.block_size,
-                      "num_blocks": kv.num_blocks, "free_blocks": kv.num_free_blocks,
-                      "free_empty_blocks": kv.num_free_blocks - sum(1 for b in kv._cached.values() if b.ref_cnt == 0),
-                      "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
-                      "waiting": waiting, "running": running, "draining": self.draining})
+        queues = orjson.dumps({
+            "block_size": kv.block_size, "num_blocks": kv.num_blocks, "free_blocks": kv.num_free_blocks,
+            "free_empty_blocks": kv.num_free_blocks - kv.num_free_cached_blocks(),
+            "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "waiting": waiting, "running": running})
+        self._queues_memo = (key, queues)
+        return queues
 
     async def tokenize(self, request: web.Request) -> web.Response:
         try:

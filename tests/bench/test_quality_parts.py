@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 from backends.sim.presets import get_preset
 from bench.loadgen import Result, RunResult
-from bench.oracle import _common, effective_cached, predict_ttft_s
+from bench.oracle import Sent, _common, effective_cached, kv_aware_cost, predict_ttft_s
 from bench.quality import QUICK_DIR, aggregate, is_quick, render, ttft_p99_after_first_wave, verdicts
 from bench.workloads import KINDS, MODEL_B, generate, load_or_generate
 
@@ -85,6 +87,24 @@ def test_verdict_names_each_missed_criterion_and_the_markdown_comes_from_the_row
             "families": {"kv_pressure": {"kv_tokens": 32768, "shared_prefix_tokens": 61000, "capacity": 20.0}}}
     md = render({"meta": meta, "rows": rows})
     assert "NOT MEANINGFUL" in md and "1100 (1000-1200)" in md  # mean (min-max) over the two repeats
+
+
+def test_the_kv_aware_oracle_scores_kvroutes_cost_on_the_true_state():
+    holder = _probe(cached_tokens=3984, free_blocks=1500)
+    assert kv_aware_cost(holder, 3984, []) < kv_aware_cost(_probe(), 0, [])  # the prefix's holder, lightly loaded
+    # the holder with eight cold 8000-token prompts waiting to be prefilled: a copy elsewhere is cheaper
+    busy = _probe(cached_tokens=3984, free_blocks=1500, waiting=[[8000, 64]] * 8)
+    assert kv_aware_cost(busy, 3984, []) > kv_aware_cost(_probe(), 0, [])
+    # what the oracle sent there and the probe does not show yet counts as waiting there
+    unseen = [Sent(8000, 500) for _ in range(8)]
+    assert kv_aware_cost(holder, 3984, unseen) == pytest.approx(kv_aware_cost(busy, 3984, []) + 8 * 500 / 2048)
+
+
+def test_the_verdict_holds_kvroute_to_the_better_of_the_two_oracles():
+    rows = [_row("kvroute:default", 0.5, "0.95"), _row("vllm-router:cache_aware", 1.0, "0.95"),
+            _row("oracle", 2.0, "0.95"), _row("oracle:kv_aware", 0.3, "0.95")]
+    text = verdicts(aggregate(rows))[0][2]
+    assert "p99 > 1.2 x oracle:kv_aware's 300 ms" in text
 
 
 def test_a_peer_that_lost_requests_is_not_the_bar_while_another_served_everything():

@@ -6,6 +6,8 @@ import httpx
 import openai
 import pytest
 
+from backends.sim.kvcache import block_hashes
+from backends.sim.tokens import chat_prompt
 from tests.sim.conftest import png_data_url, read_metrics
 
 pytestmark = pytest.mark.timeout(60)
@@ -94,3 +96,23 @@ def test_health_tokenize_and_metrics_names(worker):
     text = httpx.get(f"{worker}/metrics").text
     assert 'num_gpu_blocks="32"' in text and 'block_size="128"' in text
     assert 'model_name="qwen3-vl-tiny"' in text and 'engine="0"' in text
+
+
+def test_the_oracle_probe_finds_a_served_prompts_prefix_by_block_hashes_made_in_another_process(worker):
+    # bench/oracle.py hashes each prompt once, in its own process, and sends only the hashes to every sim
+    messages = [{"role": "user", "content": "A long system prompt that many requests share. " * 30}]
+    served = httpx.post(f"{worker}/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2},
+                        timeout=30)
+    assert served.status_code == 200
+    ids = chat_prompt(messages).token_ids
+    by_body = httpx.post(f"{worker}/sim/probe", json={"messages": messages}, timeout=10).json()
+    bs = by_body["block_size"]
+    reusable = (len(ids) - 1) // bs  # vLLM recomputes at least the last token
+    by_hashes = httpx.post(f"{worker}/sim/probe", timeout=10, json={
+        "block_hashes": block_hashes(ids, bs, reusable), "prompt_tokens": len(ids)}).json()
+    assert by_body["prompt_tokens"] == by_hashes["prompt_tokens"] == len(ids)
+    assert by_body["cached_tokens"] == by_hashes["cached_tokens"] == reusable * bs > 0
+    other = chat_prompt([{"role": "user", "content": "Nothing like it was ever sent here. " * 30}]).token_ids
+    cold = httpx.post(f"{worker}/sim/probe", timeout=10, json={
+        "block_hashes": block_hashes(other, bs, (len(other) - 1) // bs), "prompt_tokens": len(other)}).json()
+    assert cold["cached_tokens"] == 0 and cold["waiting"] == [] and cold["running"] == []
