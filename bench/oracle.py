@@ -37,6 +37,11 @@ caches, so it goes to whichever worker is least loaded and pushes that worker's 
 kvroute's prefix index remembers the owner and sends the prefix back there. Deciding one request at a
 time (each seeing the previous ones as in transit) did not change it (62-68%), so it is not the
 probes' overlap. A bound needs that memory too, or a search over placements.
+
+`--policy kv_aware_owner` (route `oracle:kv_aware_owner`) adds that memory: a prompt's blocks count as
+cached on every worker they were sent to, as kvroute's prefix index counts them, or as far as the true
+state shows, whichever is longer. Everything else is the true state, so against kvroute's default it
+measures what stale reports and the proxy's estimates cost the same decision rule.
 """
 
 from __future__ import annotations
@@ -82,6 +87,17 @@ class WorkerView:
     model: str = ""
     block_size: int = 16
     in_transit: list[Sent] = field(default_factory=list)
+    sent_blocks: set[int] = field(default_factory=set)  # hashes of every full block sent here (policy kv_aware_owner)
+
+
+def owned_blocks(sent_blocks: set[int], hashes: list[int]) -> int:
+    """Leading blocks of a prompt that were sent to this worker before, cached there now or not."""
+    n = 0
+    for h in hashes:
+        if h not in sent_blocks:
+            break
+        n += 1
+    return n
 
 
 def effective_cached(probe: dict[str, Any], in_transit_match: int = 0) -> int:
@@ -175,7 +191,7 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
-POLICIES = ("ttft", "kv_aware")
+POLICIES = ("ttft", "kv_aware", "kv_aware_owner")
 
 
 class Oracle:
@@ -263,7 +279,9 @@ class Oracle:
             eff = effective_cached(p, match)
             p["pending_prefix_tokens"] = eff
             p["media_tokens_uncached"] = sum(max(0, a + n - max(a, eff)) for a, n in prompt.media_spans)
-            if self.policy == "kv_aware":
+            if self.policy == "kv_aware_owner":
+                t = kv_aware_cost(p, max(eff, owned_blocks(w.sent_blocks, hashes) * bs), unseen)
+            elif self.policy == "kv_aware":
                 t = kv_aware_cost(p, eff, unseen)
             else:
                 preset = self.presets.get(p["preset"]) or self.presets.setdefault(p["preset"], get_preset(p["preset"]))
@@ -282,6 +300,8 @@ class Oracle:
         uncached = max(1, p["prompt_tokens"] - effective_cached(p))
         sent = Sent(uncached, -(-uncached // p["block_size"]), by_size[w.block_size][0])
         w.in_transit.append(sent)
+        if self.policy == "kv_aware_owner":
+            w.sent_blocks.update(sent.hashes)
         self.decision_s.append(time.perf_counter() - t0)
         return await self._relay(request, w, raw, sent)
 
@@ -330,7 +350,8 @@ def main() -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--policy", choices=POLICIES, default="ttft",
-                   help="ttft: predicted TTFT + eviction price (the default); kv_aware: kvroute's default cost on the true state")
+                   help="ttft: predicted TTFT + eviction price (the default); kv_aware: kvroute's default cost "
+                        "on the true state; kv_aware_owner: the same, a prefix credited to every worker it was sent to")
     p.add_argument("urls", nargs="+", help="sim worker base URLs")
     args = p.parse_args()
     import uvloop

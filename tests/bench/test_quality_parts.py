@@ -11,7 +11,7 @@ import pytest
 
 from backends.sim.presets import get_preset
 from bench.loadgen import Result, RunResult
-from bench.oracle import Sent, _common, effective_cached, kv_aware_cost, predict_ttft_s
+from bench.oracle import Sent, _common, effective_cached, kv_aware_cost, owned_blocks, predict_ttft_s
 from bench.quality import QUICK_DIR, aggregate, is_quick, render, ttft_p99_after_first_wave, verdicts
 from bench.workloads import KINDS, MODEL_B, generate, load_or_generate
 
@@ -98,6 +98,8 @@ def test_the_kv_aware_oracle_scores_kvroutes_cost_on_the_true_state():
     # what the oracle sent there and the probe does not show yet counts as waiting there
     unseen = [Sent(8000, 500) for _ in range(8)]
     assert kv_aware_cost(holder, 3984, unseen) == pytest.approx(kv_aware_cost(busy, 3984, []) + 8 * 500 / 2048)
+    # kv_aware_owner credits a prefix to every worker it was sent to, evicted there since or not
+    assert owned_blocks({11, 12, 13}, [11, 12, 14, 13]) == 2 and owned_blocks(set(), [11]) == 0
 
 
 def test_the_verdict_holds_kvroute_to_the_better_of_the_two_oracles():
