@@ -30,18 +30,20 @@ fully informed reference, not a proof of optimality. Run: python -m bench.oracle
 engine and prefill backlog (waiting requests' uncached tokens and running ones' unfinished prefill) in
 place of reports up to one interval old and the proxy's own estimates.
 
-Neither scoring is a bound under KV pressure (kv_pressure at 95% load, 2026-12-02, one run each): engine
-prefix hit rate 60% (ttft) and 62-68% (kv_aware) where kvroute's default reached 95%, TTFT p50 7-10 s.
-A prefix evicted from its holder's cache looks cold on every worker to a router that reads only the
-caches, so it goes to whichever worker is least loaded and pushes that worker's prefixes out in turn;
-kvroute's prefix index remembers the owner and sends the prefix back there. Deciding one request at a
-time (each seeing the previous ones as in transit) did not change it (62-68%), so it is not the
-probes' overlap. A bound needs that memory too, or a search over placements.
+`--policy kv_aware_owner` (route `oracle:kv_aware_owner`) also credits a prompt's blocks to every worker
+they were sent to, as kvroute's prefix index does, or as far as the true state shows, whichever is longer.
 
-`--policy kv_aware_owner` (route `oracle:kv_aware_owner`) adds that memory: a prompt's blocks count as
-cached on every worker they were sent to, as kvroute's prefix index counts them, or as far as the true
-state shows, whichever is longer. Everything else is the true state, so against kvroute's default it
-measures what stale reports and the proxy's estimates cost the same decision rule.
+None of them is a bound on this 2-core box (bench/results/2026-12-02-quality-oracles.md, 95% load, 3
+repeats; one run at 50% outside the results folder):
+- `ttft` copies long prefixes: in kv_pressure the engines' prefix hit rate was 58-59% at 95% load and 63%
+  at 50% (decision p50 16 ms there), against kvroute's default's 95-96%.
+- `kv_aware` and `kv_aware_owner`: at 50% in kv_pressure kv_aware_owner kept a 95% hit rate (TTFT p99 474
+  ms against kvroute's 317); at 95% both fell to 61-67% with TTFT p50 7.8-9.8 s. Their decisions then
+  took 36-125 ms (p50, wall), and 171-349 ms in zipf_hot, where the oracles' TTFT p50 (399-858 ms) was
+  mostly its own decision time (kvroute's TTFT p50: 34-74 ms).
+Four HTTP probes per request cost more time than kvroute's whole TTFT p50 here. A bound needs decisions
+that cost nothing: sims that push their cache and queue changes to the oracle at each step, or the sims
+stepped inside the oracle's process.
 """
 
 from __future__ import annotations
