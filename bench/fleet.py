@@ -178,7 +178,8 @@ BARE_RELAY = "bare-relay"  # bench/bare_relay.py: round robin and nothing else, 
 
 def start_oracle(fleet: Fleet, policy: str = "", timeout: float = 60.0) -> RunningRouter:
     """bench/oracle.py over the fleet's sim workers (bench only: reads each engine's true state); `policy`:
-    its scoring ('' or 'ttft': predicted TTFT; 'kv_aware': kvroute's default cost on the true state)."""
+    its scoring ('' or 'ttft': predicted TTFT; 'kv_aware', 'kv_aware_owner': kvroute's default cost on the
+    true state, see the module docstring)."""
     return start_bench_router(fleet, "bench.oracle", "oracle", timeout=timeout,
                               extra=("--policy", policy) if policy else ())
 

@@ -1,6 +1,7 @@
 """The oracle route (bench only): a tiny router that sees each sim worker's TRUE engine state with zero delay.
 
-Owns the oracle's TTFT prediction and its forwarding; it is a bound for the quality benchmark, never a policy.
+Owns the oracle's TTFT prediction and its forwarding; it is meant as a bound for the quality
+benchmark (below: where it is not one), never a policy.
 It tokenizes each request once with the sim's own rules (backends/sim/tokens.py), asks every sim worker
 serving the body's model `POST /sim/probe` with the hashes of the prompt's full blocks (hashed once
 here), which answers with the request's cached prefix there, the waiting and running queues and the free
@@ -40,7 +41,7 @@ repeats; one run at 50% outside the results folder):
 - `kv_aware` and `kv_aware_owner`: at 50% in kv_pressure kv_aware_owner kept a 95% hit rate (TTFT p99 474
   ms against kvroute's 317); at 95% both fell to 61-67% with TTFT p50 7.8-9.8 s. Their decisions then
   took 36-125 ms (p50, wall), and 171-349 ms in zipf_hot, where the oracles' TTFT p50 (399-858 ms) was
-  mostly its own decision time (kvroute's TTFT p50: 34-74 ms).
+  mostly their own decision time (kvroute's TTFT p50: 34-74 ms).
 Four HTTP probes per request cost more time than kvroute's whole TTFT p50 here. A bound needs decisions
 that cost nothing: sims that push their cache and queue changes to the oracle at each step, or the sims
 stepped inside the oracle's process.

@@ -25,7 +25,7 @@ from bench.loadgen import LoadGenerator, RunResult, percentile, summarize
 from bench.report import environment_note, fmt, md_table, ms, plot_cdfs, results_path, write_json
 from bench.workloads import DEFAULT_REQUESTS, FAMILIES, KINDS, Workload, load_or_generate
 
-ROUTES = ("kvroute:default", "kvroute:kv_aware", "kvroute:round_robin", "oracle", "oracle:kv_aware",
+ROUTES = ("kvroute:default", "kvroute:kv_aware", "kvroute:round_robin", "oracle",
           "sglang-router:cache_aware", "sglang-router:power_of_two",
           "vllm-router:cache_aware", "vllm-router:power_of_two", "lmdeploy:min_expected_latency")
 LOADS = ("closed", "0.5", "0.8", "0.95", "1.1")
@@ -204,7 +204,8 @@ def _cell(a: dict[str, Any], m: str, scale: float = 1.0, digits: int = 0, unit: 
 
 
 def best_oracle(cell: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The oracle route of a cell with the lowest TTFT p99 (`oracle` and `oracle:kv_aware` score differently)."""
+    """The oracle route of a cell with the lowest TTFT p99 (`oracle`, `oracle:kv_aware` and
+    `oracle:kv_aware_owner` score differently)."""
     oracles = [a for a in cell if a["route"].split(":")[0] == "oracle" and _mean(a, "ttft_p99") is not None]
     return min(oracles, key=lambda a: _mean(a, "ttft_p99") or 0.0, default=None)
 
@@ -375,7 +376,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--families", default=",".join(KINDS), help=f"comma-separated, from {', '.join(KINDS)}")
     p.add_argument("--loads", default=",".join(LOADS), help="'closed' and/or fractions of measured capacity")
     p.add_argument("--routes", default=",".join(ROUTES),
-                   help="comma-separated kind:policy; kind kvroute (policy 'default' = ProxyConfig's), oracle (policy ttft or kv_aware), "
+                   help="comma-separated kind:policy; kind kvroute (policy 'default' = ProxyConfig's), oracle (policy ttft, kv_aware or kv_aware_owner), "
                         "direct (client-side round robin) or a peer (sglang-router, vllm-router, lmdeploy)")
     p.add_argument("--repeats", type=int, default=REPEATS)
     p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS, help="requests per cell")
