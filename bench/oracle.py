@@ -65,7 +65,7 @@ from aiohttp import web
 
 from backends.sim import tokens as sim_tokens
 from backends.sim.cost import StepWork, step_time_s
-from backends.sim.kvcache import block_hashes
+from backends.sim.kvcache import block_hashes, leading_run
 from backends.sim.presets import Preset, get_preset
 from backends.sim.tokens import Prompt, chat_prompt, completion_prompt
 from proxy.routing import kv_aware
@@ -95,12 +95,7 @@ class WorkerView:
 
 def owned_blocks(sent_blocks: set[int], hashes: list[int]) -> int:
     """Leading blocks of a prompt that were sent to this worker before, cached there now or not."""
-    n = 0
-    for h in hashes:
-        if h not in sent_blocks:
-            break
-        n += 1
-    return n
+    return leading_run(hashes, sent_blocks)
 
 
 def effective_cached(probe: dict[str, Any], in_transit_match: int = 0) -> int:

@@ -8,7 +8,7 @@ It does not decide who runs; scheduler.py asks it for room and frees what it no 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 
 class Block:
@@ -39,6 +39,16 @@ def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | No
         parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
         hashes.append(parent)
     return hashes
+
+
+def leading_run(hashes: Sequence[int], members: Container[int]) -> int:
+    """How many of these block hashes are in `members`, in a row from the first."""
+    n = 0
+    for h in hashes:
+        if h not in members:
+            break
+        n += 1
+    return n
 
 
 class KVCache:
@@ -108,15 +118,7 @@ class KVCache:
     def cached_run(self, hashes: Sequence[int]) -> int:
         """How many of these leading full-block hashes are cached, in a row from the first (no room kept
         for the last token: the caller passes only the blocks a prompt could reuse)."""
-        if not self.enable_prefix_caching:
-            return 0
-        cached = self._cached
-        n = 0
-        for h in hashes:
-            if h not in cached:
-                break
-            n += 1
-        return n
+        return leading_run(hashes, self._cached) if self.enable_prefix_caching else 0
 
     def num_free_cached_blocks(self) -> int:
         """Free blocks that still hold a cached prefix (allocating them evicts it). O(cached blocks)."""
