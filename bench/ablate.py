@@ -22,6 +22,11 @@ MODULE_KNOBS = {
     "credit_per_share": "proxy.routing.kv_aware.CREDIT_PER_CACHE_SHARE",
     "inflight_weight": "proxy.routing.kv_aware.INFLIGHT_WEIGHT",
     "forget_after": "proxy.loadview.DISPATCH_FORGET_AFTER_S",
+    "visible_after": "proxy.loadview.DISPATCH_VISIBLE_AFTER_S",
+    "admit_after_output": "proxy.loadview.ADMIT_AFTER_OUTPUT",
+    "admit_after_head": "proxy.loadview.ADMIT_AFTER_HEAD",
+    "admit_above_kv": "proxy.loadview.ADMIT_AFTER_OUTPUT_ABOVE_KV",
+    "report_interval": "proxy.protocol.REPORT_INTERVAL_S",  # what the proxy asks its workers for at registration
     # kv_cost (the time-unit model) and the estimator behind it
     "resolution": "proxy.routing.kv_cost.RESOLUTION_S",
     "shortlist": "proxy.routing.kv_cost.SHORTLIST",

@@ -179,9 +179,14 @@ BARE_RELAY = "bare-relay"  # bench/bare_relay.py: round robin and nothing else, 
 def start_oracle(fleet: Fleet, policy: str = "", timeout: float = 60.0) -> RunningRouter:
     """bench/oracle.py over the fleet's sim workers (bench only: reads each engine's true state); `policy`:
     its scoring ('' or 'ttft': predicted TTFT; 'kv_aware', 'kv_aware_owner': kvroute's default cost on the
-    true state, see the module docstring)."""
-    return start_bench_router(fleet, "bench.oracle", "oracle", timeout=timeout,
-                              extra=("--policy", policy) if policy else ())
+    true state, see the module docstring), then '@' and '+'-separated options, each a flag of bench/oracle.py
+    without its dashes ('kv_aware@send_now', 'kv_aware@stale_s=0.25+sent_prefix')."""
+    scoring, _, options = policy.partition("@")
+    extra = ["--policy", scoring] if scoring else []
+    for option in filter(None, options.split("+")):
+        name, eq, value = option.partition("=")
+        extra += [f"--{name.replace('_', '-')}", *((value,) if eq else ())]
+    return start_bench_router(fleet, "bench.oracle", "oracle", timeout=timeout, extra=extra)
 
 
 def start_bench_router(fleet: Fleet, module: str, name: str, path: str = "/v1/models",

@@ -1,29 +1,19 @@
-"""The oracle route (bench only): a tiny router that sees each sim worker's TRUE engine state with zero delay.
+"""The oracle route (bench only): a tiny router that sees each sim worker's TRUE engine state, one engine step old.
 
-Owns the oracle's TTFT prediction and its forwarding; it is meant as a bound for the quality
-benchmark (below: where it is not one), never a policy.
-It tokenizes each request once with the sim's own rules (backends/sim/tokens.py), asks every sim worker
-serving the body's model `POST /sim/probe` with the hashes of the prompt's full blocks (hashed once
-here), which answers with the request's cached prefix there, the waiting and running queues and the free
-KV blocks (read from the engine itself, no report interval), predicts the request's TTFT on each with
-the sim's own step-time model (backends/sim/cost.py), and forwards the request to the minimum of
-predicted TTFT + EVICT_WEIGHT x the prefill time of the cached blocks it would evict there.
+Owns the oracle's mirror of the fleet, its TTFT prediction and its forwarding; it is meant as a bound for the
+quality benchmark, never a policy.
+Each sim worker pushes its state at every engine step (`GET /sim/feed`, backends/sim/feed.py): the block
+hashes entering and leaving its prefix cache, the waiting and running queues, the free KV blocks and how many
+requests its scheduler has received. The oracle keeps a copy per worker and adds what only it knows: the
+requests it sent there that the engine has not received yet (`unseen`), and the prefixes its unfinished
+requests there are computing. Nothing in an engine changes between two steps but arrivals and aborts, so the
+copy is exact up to the time a feed line takes to arrive; a decision reads only the copy (no round trip).
+It tokenizes each request once with the sim's own rules (backends/sim/tokens.py), hashes the prompt's full
+blocks as the sims do, predicts the request's TTFT on each worker serving the body's model with the sim's own
+step-time model (backends/sim/cost.py), and forwards it to the minimum of predicted TTFT + EVICT_WEIGHT x the
+prefill time of the cached blocks it would evict there.
 
-Prediction on worker w (simulated seconds), with R running sequences and a token budget B per step:
-- this request's uncached tokens = prompt - the longest prefix that is cached there, or that a request queued
-  or running there (or sent there by the oracle and not yet visible) is computing: it will be cached first;
-- prefill work ahead = uncached prompt tokens of the waiting queue + unfinished prefill of running ones
-  + requests this oracle sent to w whose probe may not show them yet (in transit);
-- steps = ceil((work ahead + this request's uncached tokens) / max(1, B - R)), each costing one step of
-  step_time_s(B - R prefill tokens alongside R decodes) -> queue+prefill time; plus the vision encoder for
-  the request's uncached image tokens (8 x ViT params FLOPs each);
-- KV wait: if the blocks needed (work ahead and this request) exceed the free blocks, the time until enough
-  running sequences finish to free them (their remaining decode tokens x one decode step).
-Eviction: blocks allocated beyond the free blocks that hold nothing evict cached prefixes (LRU first);
-pricing them at half their prefill time keeps hot prefixes on their owners. Without that term (pure
-greedy TTFT) a smoke run in a closed loop on kv_pressure copied every prefix everywhere: engines' hit
-rate 51% against 88-90% for kvroute and sglang cache_aware, p50 TTFT 9 s. The oracle is a strong,
-fully informed reference, not a proof of optimality. Run: python -m bench.oracle --port P URL...
+Run: python -m bench.oracle --port P URL... (the mirror and the predictions: bench/oracle_view.py)
 
 `--policy kv_aware` (route `oracle:kv_aware`) scores instead with kvroute's default cost function
 (proxy/routing/kv_aware.py, its weights imported) fed the true state: the prefix each worker really holds
@@ -34,17 +24,29 @@ place of reports up to one interval old and the proxy's own estimates.
 `--policy kv_aware_owner` (route `oracle:kv_aware_owner`) also credits a prompt's blocks to every worker
 they were sent to, as kvroute's prefix index does, or as far as the true state shows, whichever is longer.
 
-None of them is a bound on this 2-core box (bench/results/2026-12-02-quality-oracles.md, 95% load, 3
-repeats; one run at 50% outside the results folder):
-- `ttft` copies long prefixes: in kv_pressure the engines' prefix hit rate was 58-59% at 95% load and 63%
-  at 50% (decision p50 16 ms there), against kvroute's default's 95-96%.
-- `kv_aware` and `kv_aware_owner`: at 50% in kv_pressure kv_aware_owner kept a 95% hit rate (TTFT p99 474
-  ms against kvroute's 317); at 95% both fell to 61-67% with TTFT p50 7.8-9.8 s. Their decisions then
-  took 36-125 ms (p50, wall), and 171-349 ms in zipf_hot, where the oracles' TTFT p50 (399-858 ms) was
-  mostly their own decision time (kvroute's TTFT p50: 34-74 ms).
-Four HTTP probes per request cost more time than kvroute's whole TTFT p50 here. A bound needs decisions
-that cost nothing: sims that push their cache and queue changes to the oracle at each step, or the sims
-stepped inside the oracle's process.
+Admission: like kvroute's (proxy/routing/admission.py) it binds late. While every engine serving the model
+has requests waiting, or requests the oracle sent that its scheduler has not received, a request waits in a
+per-model FIFO; each feed line and each finished request lets the head go once some engine has taken its
+queue in, and the released request's own send lets the next one go (arrivals never jump the queue).
+`--send-now` turns that off.
+
+Measured, open loop at 95% load, 3 repeats (bench/results/2026-12-02-quality-oracles-feed.md):
+- kv_pressure: every scoring keeps a 95-96% hit rate with no preemption; `kv_aware` has the lowest TTFT
+  p99 (464 ms, against kvroute's default's 1081 ms); `kv_aware_owner` with `--send-now` falls behind the
+  arrivals (33 of 88 req/s served, hit rate 69%, TTFT p50 5.6 s): without late binding a hot prefix does
+  not stay on its holder, whatever the state's accuracy. The first version of this oracle (an HTTP probe per
+  worker per request, 36-349 ms a decision, no FIFO; bench/results/2026-12-02-quality-oracles.md) was no
+  bound for that reason and for its decision time.
+- zipf_hot: kvroute's default has the lowest TTFT p99 (155 ms; the oracles 182-494 ms).
+- `ttft` (greedy on predicted TTFT) copies prefixes more than the kv_aware scorings and has the highest p99
+  of the three in both families.
+
+Handicaps, one at a time, to find what kvroute misses (bench/results/2026-12-02-quality-kv_pressure-95-
+oracle-ablation.md): `--stale-s 0.25` decides on the state as of every 0.25 s (a report interval),
+`--admit-loose` counts an engine as admitting when nothing waited there, whatever was sent since (kvroute's
+rule), `--sent-prefix` counts a prefix where it was sent (kvroute's prefix index). All three together give
+kvroute's figures (TTFT p99 836 vs 795 ms); the admission rule alone accounts for most of the gap (660 vs
+454 ms), the prefix index for none of it (476 ms).
 """
 
 from __future__ import annotations
@@ -52,11 +54,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import itertools
-import math
+import logging
 import random
 import time
-from dataclasses import dataclass, field
+from collections import deque
 from typing import Any
 
 import aiohttp
@@ -64,110 +65,14 @@ import orjson
 from aiohttp import web
 
 from backends.sim import tokens as sim_tokens
-from backends.sim.cost import StepWork, step_time_s
 from backends.sim.kvcache import block_hashes, leading_run
 from backends.sim.presets import Preset, get_preset
 from backends.sim.tokens import Prompt, chat_prompt, completion_prompt
-from proxy.routing import kv_aware
+from bench.oracle_view import Sent, WorkerView, effective_cached, kv_aware_cost, owned_blocks, predict_ttft_s
 
+log = logging.getLogger("kvroute.bench.oracle")
 WORKER_HEADER = "x-kvroute-worker"
-IN_TRANSIT_KEEP_S = 2.0  # how long an acknowledged send still counts as possibly unseen by later probes
-EVICT_WEIGHT = 0.5  # seconds of cost per second of prefill that the blocks a request evicts would take to redo
-
-
-@dataclass
-class Sent:
-    uncached_tokens: int
-    blocks: int
-    hashes: list[int] = field(default_factory=list)  # its full-block hashes (this process's; for in-transit prefixes)
-    acked_at_probe: int | None = None  # probe counter when the worker answered (then the engine has it)
-    acked_wall: float = 0.0
-
-
-@dataclass
-class WorkerView:
-    url: str
-    model: str = ""
-    block_size: int = 16
-    in_transit: list[Sent] = field(default_factory=list)
-    sent_blocks: set[int] = field(default_factory=set)  # hashes of every full block sent here (policy kv_aware_owner)
-
-
-def owned_blocks(sent_blocks: set[int], hashes: list[int]) -> int:
-    """Leading blocks of a prompt that were sent to this worker before, cached there now or not."""
-    return leading_run(hashes, sent_blocks)
-
-
-def effective_cached(probe: dict[str, Any], in_transit_match: int = 0) -> int:
-    """Prefix tokens this request will not prefill there: cached now, or computed by a request queued or
-    running there (or sent there by the oracle) before this one is scheduled."""
-    return max(probe["cached_tokens"], probe.get("pending_prefix_tokens", 0), in_transit_match)
-
-
-def predict_ttft_s(preset: Preset, probe: dict[str, Any], extra_ahead_tokens: int = 0,
-                   extra_ahead_blocks: int = 0) -> float:
-    """Predicted TTFT (simulated seconds) of the probed request on the probed worker (see module docstring)."""
-    running, waiting = probe["running"], probe["waiting"]
-    r = len(running)
-    budget = max(1, probe["max_num_batched_tokens"] - r)
-    mine = max(1, probe["prompt_tokens"] - effective_cached(probe))
-    ahead = sum(w[0] for w in waiting) + sum(x[0] for x in running) + extra_ahead_tokens
-    total = ahead + mine
-    steps = math.ceil(total / budget)
-    avg_ctx = (sum(x[3] for x in running) / r) if r else 0.0
-    chunk = min(total, budget)
-    step = step_time_s(preset, StepWork(prefill_tokens=chunk, decode_seqs=r, prefill_seqs=1,
-                                        kv_tokens_read=int(r * avg_ctx + chunk), attention_pairs=chunk * chunk // 2))
-    vit = 8.0 * preset.vit_params * probe["media_tokens_uncached"] / (preset.peak_flops * preset.mfu)
-    t = steps * step + vit
-    # eviction: what is allocated beyond the empty free blocks throws cached prefixes out (priced, not waited)
-    per_token = step_time_s(preset, StepWork(prefill_tokens=budget, prefill_seqs=1)) / budget
-    evict_blocks = max(0, -(-mine // probe["block_size"]) + extra_ahead_blocks
-                       + sum(-(-w[0] // probe["block_size"]) for w in waiting)
-                       - probe.get("free_empty_blocks", probe["free_blocks"]))
-    t += EVICT_WEIGHT * min(evict_blocks, probe["free_blocks"]) * probe["block_size"] * per_token
-    # KV: blocks the queue ahead and this request need beyond what is free now
-    bs = probe["block_size"]
-    need = (-(-mine // bs) + sum(-(-w[0] // bs) for w in waiting) + extra_ahead_blocks
-            + sum(-(-x[0] // bs) for x in running))
-    deficit = need - probe["free_blocks"]
-    if deficit > 0 and running:
-        decode_step = step_time_s(preset, StepWork(decode_seqs=r, kv_tokens_read=int(r * avg_ctx)))
-        freed = 0
-        for _prefill, rest_decode, held, _ in sorted(running, key=lambda x: x[1]):
-            freed += held
-            if freed >= deficit:
-                t += rest_decode * decode_step
-                break
-        else:
-            t += max(x[1] for x in running) * decode_step * math.ceil(deficit / max(1, freed))
-    if r + len(waiting) >= probe["max_num_seqs"] and running:
-        t += min(x[1] for x in running) * step_time_s(preset, StepWork(decode_seqs=r))
-    return t
-
-
-class _Prompt:
-    """What kv_aware.prefix_bonus reads of a request."""
-
-    __slots__ = ("prompt_tokens",)
-
-    def __init__(self, prompt_tokens: int) -> None:
-        self.prompt_tokens = prompt_tokens
-
-
-def kv_aware_cost(probe: dict[str, Any], cached: int, unseen: list[Sent]) -> float:
-    """kvroute's kv_aware cost(w) (proxy/routing/kv_aware.py) on the probed worker's true state; `unseen`:
-    what the oracle sent there that the probe may not show yet (counted as waiting, uncached)."""
-    bs = probe["block_size"]
-    capacity = probe["num_blocks"] * bs
-    usage = (probe["num_blocks"] - probe["free_blocks"] + sum(s.blocks for s in unseen)) / probe["num_blocks"]
-    queue = len(probe["waiting"]) + len(unseen)
-    in_flight = queue + len(probe["running"])
-    backlog = (sum(w[0] for w in probe["waiting"]) + sum(r[0] for r in probe["running"])
-               + sum(s.uncached_tokens for s in unseen))
-    return (usage + kv_aware.QUEUE_WEIGHT * queue + kv_aware.INFLIGHT_WEIGHT * in_flight
-            + kv_aware.BACKLOG_WEIGHT * backlog / capacity
-            - kv_aware.prefix_bonus(_Prompt(probe["prompt_tokens"]), cached, capacity, usage))  # type: ignore[arg-type]
+FEED_CONNECT_S = 30.0  # how long the oracle waits for every worker's first feed line at start
 
 
 def _memoize_tokenizer() -> None:
@@ -179,57 +84,62 @@ def _memoize_tokenizer() -> None:
     sim_tokens.image_placeholder = functools.lru_cache(maxsize=1024)(image)  # type: ignore[assignment]
 
 
-def _common(a: list[int], b: list[int]) -> int:
-    """Length of the common leading run of two hash chains."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 POLICIES = ("ttft", "kv_aware", "kv_aware_owner")
 
 
 class Oracle:
-    def __init__(self, urls: list[str], policy: str = "ttft") -> None:
+    def __init__(self, urls: list[str], policy: str = "ttft", hold: bool = True, stale_s: float = 0.0,
+                 admit_loose: bool = False, sent_prefix: bool = False) -> None:
         if policy not in POLICIES:
             raise ValueError(f"oracle policy {policy!r}: one of {', '.join(POLICIES)}")
         self.policy = policy
-        self.workers = [WorkerView(u) for u in urls]
+        self.hold = hold
+        self.admit_loose = admit_loose
+        self.sent_prefix = sent_prefix
+        self.workers = [WorkerView(u, stale_s) for u in urls]
         self.presets: dict[str, Preset] = {}
-        self._probes = itertools.count()
         self.rng = random.Random(0)
         self.session: aiohttp.ClientSession | None = None
-        self.decision_s: list[float] = []  # arrival to forwarding, per request
+        self._followers: list[asyncio.Task[None]] = []
+        self.decision_s: list[float] = []  # scoring time per request (after any hold)
+        self.held = 0  # requests that waited in the admission FIFO
+        self._fifo: dict[str, deque[asyncio.Future[None]]] = {}  # per model: held requests, oldest first
+        self._releasing: set[str] = set()  # models whose released head has not been sent yet
 
     async def start(self, _app: web.Application) -> None:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                              timeout=aiohttp.ClientTimeout(total=600))
-        for w in self.workers:
-            async with self.session.get(w.url + "/v1/models") as resp:
-                w.model = (await resp.json())["data"][0]["id"]
-            async with self.session.get(w.url + "/sim/state") as resp:
-                w.block_size = int((await resp.json())["block_size"])
+        self._followers = [asyncio.create_task(self._follow(w)) for w in self.workers]
+        await asyncio.wait_for(asyncio.gather(*(w.synced.wait() for w in self.workers)), FEED_CONNECT_S)
 
     async def stop(self, _app: web.Application) -> None:
+        for task in self._followers:
+            task.cancel()
         if self.session:
             await self.session.close()
 
+    async def _follow(self, w: WorkerView) -> None:
+        """Apply the worker's feed as it comes (reconnecting after a break; the first line resets the mirror)."""
+        assert self.session is not None
+        while True:
+            try:
+                async with self.session.get(w.url + "/sim/feed", timeout=aiohttp.ClientTimeout(
+                        total=None, connect=5, sock_read=None)) as resp:
+                    rest = b""
+                    async for chunk in resp.content.iter_any():
+                        *lines, rest = (rest + chunk).split(b"\n")
+                        for line in lines:
+                            w.apply(orjson.loads(line))
+                        if lines:
+                            self._release(w.model)
+            except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError) as exc:
+                log.warning("feed of %s broke (%s); reconnecting", w.url, exc)
+            await asyncio.sleep(0.2)
+
     @staticmethod
     def prompt_of(body: dict[str, Any]) -> Prompt:
-        """The prompt by the sim's own rules (token ids and image spans): sent to each probe, nobody re-tokenizes."""
+        """The prompt by the sim's own rules (token ids and image spans)."""
         return chat_prompt(body["messages"]) if "messages" in body else completion_prompt(body.get("prompt", ""))
-
-    async def _probe(self, w: WorkerView, raw: bytes) -> dict[str, Any] | None:
-        assert self.session is not None
-        try:
-            async with self.session.post(w.url + "/sim/probe", data=raw,
-                                         headers={"Content-Type": "application/json"}) as resp:
-                return await resp.json() if resp.status == 200 else None
-        except aiohttp.ClientError:
-            return None
 
     async def models(self, _request: web.Request) -> web.Response:
         data = [{"id": m, "object": "model", "owned_by": "oracle"} for m in sorted({w.model for w in self.workers})]
@@ -238,8 +148,60 @@ class Oracle:
     async def health(self, _request: web.Request) -> web.Response:
         return web.Response(status=200)
 
+    def view(self, w: WorkerView, hashes: list[int], prompt: Prompt) -> dict[str, Any]:
+        """What a probe of the worker's engine would answer for this prompt, from the mirror."""
+        bs = w.block_size
+        if self.sent_prefix:  # kvroute's prefix index: a prefix counts where it was sent, evicted there or not
+            cached = pending = owned_blocks(w.sent_blocks, hashes) * bs
+        else:
+            cached = leading_run(hashes, w.cached) * bs
+            pending = w.pending_prefix_blocks(hashes) * bs
+        eff = max(cached, pending)
+        return {**w.queues, "preset": w.preset, "prompt_tokens": len(prompt.token_ids), "cached_tokens": cached,
+                "pending_prefix_tokens": eff,
+                "media_tokens_uncached": sum(max(0, a + n - max(a, eff)) for a, n in prompt.media_spans)}
+
+    def score(self, w: WorkerView, p: dict[str, Any], hashes: list[int], unseen: list[Sent]) -> float:
+        eff = effective_cached(p)
+        if self.policy == "kv_aware_owner":
+            return kv_aware_cost(p, max(eff, owned_blocks(w.sent_blocks, hashes) * w.block_size), unseen)
+        if self.policy == "kv_aware":
+            return kv_aware_cost(p, eff, unseen)
+        preset = self.presets.get(p["preset"]) or self.presets.setdefault(p["preset"], get_preset(p["preset"]))
+        return predict_ttft_s(preset, p, sum(s.uncached_tokens for s in unseen), sum(s.blocks for s in unseen))
+
+    def _admits(self, candidates: list[WorkerView]) -> bool:
+        """Whether some candidate engine starts a request at its next step (nothing waiting there, nothing
+        sent there that it has not received); with one candidate its own queue is as good as holding."""
+        if self.admit_loose:  # kvroute's rule: nothing waiting at the last report, whatever was sent since
+            return len(candidates) == 1 or any(not w.queues["waiting"] for w in candidates)
+        return len(candidates) == 1 or any(not w.queues["waiting"] and not w.unseen() for w in candidates)
+
+    def _release(self, model: str) -> None:
+        """Let the head of the model's FIFO go if an engine admits now; the released request's own send
+        calls this again, so the FIFO moves one request per freed engine, in arrival order."""
+        fifo = self._fifo.get(model)
+        while fifo and fifo[0].done():  # its client left
+            fifo.popleft()
+        if not fifo or model in self._releasing or not self._admits([w for w in self.workers if w.model == model]):
+            return
+        self._releasing.add(model)
+        fifo.popleft().set_result(None)
+
+    async def _hold(self, model: str) -> None:
+        """Wait in the model's FIFO (late binding: the request goes where an engine frees room first)."""
+        future = asyncio.get_running_loop().create_future()
+        self._fifo.setdefault(model, deque()).append(future)
+        self.held += 1
+        try:
+            await future
+        except BaseException:
+            if future.done() and not future.cancelled():  # released, but it will not be sent: pass it on
+                self._releasing.discard(model)
+                self._release(model)
+            raise
+
     async def forward(self, request: web.Request) -> web.StreamResponse:
-        t0 = time.perf_counter()
         raw = await request.read()
         try:
             body = orjson.loads(raw)
@@ -252,69 +214,54 @@ class Oracle:
         if not candidates:
             return web.json_response({"error": {"message": f"model {model!r} not served", "type": "NotFoundError",
                                                 "code": 404}}, status=404)
-        # the prompt's reusable full blocks, hashed once here (per block size) instead of in every sim it probes
-        by_size: dict[int, tuple[list[int], bytes]] = {}
-        for w in candidates:
-            if w.block_size not in by_size:
-                bs, n = w.block_size, len(prompt.token_ids)
-                chain = block_hashes(prompt.token_ids, bs, max(0, n - 1) // bs)
-                by_size[bs] = (chain, orjson.dumps({"block_hashes": chain, "prompt_tokens": n,
-                                                    "media_spans": prompt.media_spans}))
-        seq = next(self._probes)
-        probes = await asyncio.gather(*(self._probe(w, by_size[w.block_size][1]) for w in candidates))
-        now = time.monotonic()
+        released = False
+        if self.hold and (self._fifo.get(model) or not self._admits(candidates)):  # arrivals never jump the queue
+            await self._hold(model)
+            released = True
+        t0 = time.perf_counter()
+        chains: dict[int, list[int]] = {}  # the prompt's reusable full blocks, hashed once per block size
         best: tuple[float, int, WorkerView, dict[str, Any]] | None = None
         ties = 0
-        hashes: list[int] = []
-        for w, p in zip(candidates, probes, strict=True):
-            if p is None or p.get("draining"):
-                continue
-            bs = p["block_size"]
-            hashes = by_size[w.block_size][0]
-            w.in_transit = [s for s in w.in_transit if s.acked_at_probe is None or now - s.acked_wall < IN_TRANSIT_KEEP_S]
-            unseen = [s for s in w.in_transit if s.acked_at_probe is None or s.acked_at_probe > seq]
-            match = max((_common(hashes, s.hashes) for s in unseen), default=0) * bs
-            eff = effective_cached(p, match)
-            p["pending_prefix_tokens"] = eff
-            p["media_tokens_uncached"] = sum(max(0, a + n - max(a, eff)) for a, n in prompt.media_spans)
-            if self.policy == "kv_aware_owner":
-                t = kv_aware_cost(p, max(eff, owned_blocks(w.sent_blocks, hashes) * bs), unseen)
-            elif self.policy == "kv_aware":
-                t = kv_aware_cost(p, eff, unseen)
-            else:
-                preset = self.presets.get(p["preset"]) or self.presets.setdefault(p["preset"], get_preset(p["preset"]))
-                t = predict_ttft_s(preset, p, sum(s.uncached_tokens for s in unseen), sum(s.blocks for s in unseen))
-            key = (t, len(p["running"]) + len(p["waiting"]) + len(unseen))
+        for w in candidates:
+            bs, n = w.block_size, len(prompt.token_ids)
+            hashes = chains.get(bs)
+            if hashes is None:
+                hashes = chains[bs] = block_hashes(prompt.token_ids, bs, max(0, n - 1) // bs)
+            p = self.view(w, hashes, prompt)
+            unseen = w.unseen()
+            key = (self.score(w, p, hashes, unseen), len(p["running"]) + len(p["waiting"]) + len(unseen))
             if best is None or key < best[:2]:
                 best, ties = (*key, w, p), 1
             elif key == best[:2]:  # ties at random (reservoir sampling), not to the first worker listed
                 ties += 1
                 if self.rng.random() * ties < 1.0:
                     best = (*key, w, p)
-        if best is None:
-            return web.json_response({"error": {"message": "no worker answered the probe",
-                                                "type": "ServiceUnavailableError", "code": 503}}, status=503)
+        assert best is not None
         _, _, w, p = best
         uncached = max(1, p["prompt_tokens"] - effective_cached(p))
-        sent = Sent(uncached, -(-uncached // p["block_size"]), by_size[w.block_size][0])
-        w.in_transit.append(sent)
-        if self.policy == "kv_aware_owner":
+        sent = Sent(uncached, -(-uncached // w.block_size), chains[w.block_size])
+        w.note_sent(sent)
+        if self.policy == "kv_aware_owner" or self.sent_prefix:
             w.sent_blocks.update(sent.hashes)
         self.decision_s.append(time.perf_counter() - t0)
+        if released:
+            self._releasing.discard(model)
+        self._release(model)  # the next waiter, if another engine admits too
         return await self._relay(request, w, raw, sent)
 
     async def stats(self, _request: web.Request) -> web.Response:
         """How long the oracle's decisions took (wall seconds): its own overhead, apart from its routing."""
         xs = sorted(self.decision_s)
         p50, p99 = (xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None for q in (0.5, 0.99))
-        return web.json_response({"decisions": len(xs), "p50_s": p50, "p99_s": p99})
+        return web.json_response({"decisions": len(xs), "p50_s": p50, "p99_s": p99, "held": self.held})
 
     async def _relay(self, request: web.Request, w: WorkerView, raw: bytes, sent: Sent) -> web.StreamResponse:
         assert self.session is not None
+        enqueued = False
         try:
             async with self.session.post(w.url + request.path, data=raw,
                                          headers={"Content-Type": "application/json"}) as up:
-                sent.acked_at_probe, sent.acked_wall = next(self._probes), time.monotonic()
+                enqueued = up.status == 200  # the sim refuses (4xx/5xx) before its scheduler sees a request
                 resp = web.StreamResponse(status=up.status, headers={
                     "Content-Type": up.headers.get("Content-Type", "application/json"), WORKER_HEADER: w.url})
                 await resp.prepare(request)
@@ -326,12 +273,11 @@ class Oracle:
             return web.json_response({"error": {"message": f"upstream: {exc}", "type": "BadGatewayError",
                                                 "code": 502}}, status=502)
         finally:
-            if sent.acked_at_probe is None:
-                sent.acked_at_probe, sent.acked_wall = -1, time.monotonic()
+            w.note_done(sent, enqueued)
+            self._release(w.model)
 
 
-def build_app(urls: list[str], policy: str = "ttft") -> web.Application:
-    oracle = Oracle(urls, policy)
+def build_app(oracle: Oracle) -> web.Application:
     app = web.Application(client_max_size=64 * 1024**2)
     app.router.add_post("/v1/chat/completions", oracle.forward)
     app.router.add_post("/v1/completions", oracle.forward)
@@ -350,13 +296,25 @@ def main() -> int:
     p.add_argument("--policy", choices=POLICIES, default="ttft",
                    help="ttft: predicted TTFT + eviction price (the default); kv_aware: kvroute's default cost "
                         "on the true state; kv_aware_owner: the same, a prefix credited to every worker it was sent to")
+    p.add_argument("--send-now", action="store_true",
+                   help="no admission FIFO: every request is sent at once, even when every engine is queueing")
+    p.add_argument("--stale-s", type=float, default=0.0,
+                   help="decide on the feed's state as of its last publication every STALE_S seconds (a report "
+                        "interval), not as of the engine's last step")
+    p.add_argument("--admit-loose", action="store_true",
+                   help="an engine admits when nothing waited there at the last publication (kvroute's rule), "
+                        "not counting what was sent there since")
+    p.add_argument("--sent-prefix", action="store_true",
+                   help="a prefix counts as cached where it was sent (kvroute's prefix index), not where the "
+                        "engine holds it")
     p.add_argument("urls", nargs="+", help="sim worker base URLs")
     args = p.parse_args()
     import uvloop
 
     uvloop.install()
     _memoize_tokenizer()
-    web.run_app(build_app(args.urls, args.policy), host=args.host, port=args.port, access_log=None, print=None)
+    oracle = Oracle(args.urls, args.policy, not args.send_now, args.stale_s, args.admit_loose, args.sent_prefix)
+    web.run_app(build_app(oracle), host=args.host, port=args.port, access_log=None, print=None)
     return 0
 
 

@@ -48,10 +48,17 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def environment_note() -> str:
-    """One line saying where the numbers come from (commit, CPU count, python)."""
+    """One line saying where the numbers come from (commit, whether the code differed from it, CPU count,
+    python)."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=RESULTS_DIR.parent).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--", ":(top)*.py"], capture_output=True, text=True,
+                                cwd=RESULTS_DIR.parent).stdout
+        changed = [line[3:] for line in status.splitlines() if line.strip()]
+        if commit and changed:
+            more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
+            commit += f" with uncommitted changes to {', '.join(changed[:6])}{more}"
     except OSError:
         commit = "?"
     import os

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy import loadview
 from proxy.config import FleetConfig
 from proxy.errors import ProxyError, error_response, model_not_found
 from proxy.loadview import Dispatch
@@ -206,10 +207,18 @@ class Dispatcher:
         self.admission.wake()  # a released waiter is placed: the next head sees this dispatch
         return ticket
 
-    @staticmethod
-    def first_output(ticket: InFlight) -> None:
-        """The attempt's first generated output reached the proxy (its prefill is done)."""
+    def first_output(self, ticket: InFlight) -> None:
+        """The attempt's first generated output reached the proxy (its prefill is done; with the
+        admit_after_output knob its engine may admit again: the head of a queue may go)."""
         ticket.decision.worker.load.first_output(ticket.dispatch)
+        if loadview.ADMIT_AFTER_OUTPUT or loadview.ADMIT_AFTER_HEAD:
+            self.admission.wake()
+
+    def upstream_head(self, ticket: InFlight) -> None:
+        """The engine answered the attempt's head (with the admit_after_head knob: it took the request in,
+        so its engine may admit again and the head of a queue may go)."""
+        ticket.decision.worker.load.upstream_head(ticket.dispatch)
+        self.admission.wake()
 
     def end(self, ticket: InFlight, first_byte_at: float | None) -> None:
         """One upstream attempt is over, whatever the outcome; call exactly once per begin()."""

@@ -31,6 +31,14 @@ DISPATCH_VISIBLE_AFTER_S = 0.1
 # Pending dispatches older than this are dropped even without a new reading: by then the
 # worker is stale and its numbers are not trusted anyway.
 DISPATCH_FORGET_AFTER_S = 5.0
+# Off by default (ablation knobs): an engine that reported nothing waiting admits only once every request sent
+# to it since that report is confirmed there (see engine_backlog): by its first output (`admit_after_output`)
+# or by its response head (`admit_after_head`: an engine sends it once its front end has handed the request to
+# the scheduler), and only while its projected KV usage is at least ADMIT_AFTER_OUTPUT_ABOVE_KV
+# (`admit_above_kv`; 0: always)
+ADMIT_AFTER_OUTPUT = False
+ADMIT_AFTER_HEAD = False
+ADMIT_AFTER_OUTPUT_ABOVE_KV = 0.0
 # KV size assumed for a worker that never said (LMDeploy /nodes/add without a report).
 DEFAULT_CAPACITY_TOKENS = 32768
 
@@ -38,7 +46,7 @@ DEFAULT_CAPACITY_TOKENS = 32768
 class Dispatch:
     """One request sent to a worker: its KV and prefill estimates, and whether it still counts as pending."""
 
-    __slots__ = ("at", "kv_tokens", "prefill_tokens", "pending", "prefilling")
+    __slots__ = ("at", "kv_tokens", "prefill_tokens", "pending", "prefilling", "unconfirmed")
 
     def __init__(self, at: float, kv_tokens: int, prefill_tokens: int = 0) -> None:
         self.at = at
@@ -46,6 +54,7 @@ class Dispatch:
         self.prefill_tokens = prefill_tokens
         self.pending = True
         self.prefilling = True  # no output seen yet: its prompt is still ahead in the engine's prefill work
+        self.unconfirmed = True  # nothing yet shows the engine took it in (see ADMIT_AFTER_OUTPUT / _HEAD)
 
 
 @dataclass(slots=True)
@@ -65,7 +74,7 @@ class WorkerLoad:
     __slots__ = ("_capacity", "reading", "reading_at", "reading_source", "_pending", "_pending_tokens",
                  "_pending_count", "_pending_prefill", "in_flight", "in_flight_tokens", "dispatched_total",
                  "finished_since_reading", "version", "_snapshot", "_snapshot_version", "watchers",
-                 "prefill_backlog")
+                 "prefill_backlog", "_pending_unconfirmed")
 
     def __init__(self, capacity_tokens: int | None = None) -> None:
         self._capacity = capacity_tokens or DEFAULT_CAPACITY_TOKENS
@@ -80,6 +89,7 @@ class WorkerLoad:
         self._pending_tokens = 0
         self._pending_count = 0
         self._pending_prefill = 0
+        self._pending_unconfirmed = 0  # pending dispatches nothing has confirmed the engine took in
         self.in_flight = 0
         self.in_flight_tokens = 0
         self.dispatched_total = 0
@@ -138,6 +148,7 @@ class WorkerLoad:
         self._pending_tokens += kv_tokens
         self._pending_count += 1
         self._pending_prefill += prefill_tokens
+        self._pending_unconfirmed += 1
         self.prefill_backlog += prefill_tokens
         if self.watchers:
             self._changed()
@@ -145,6 +156,7 @@ class WorkerLoad:
 
     def first_output(self, dispatch: Dispatch) -> None:
         """The request's first generated output came back: its prefill is behind the engine."""
+        self._confirm(dispatch)
         if dispatch.prefilling:
             dispatch.prefilling = False
             self.prefill_backlog -= dispatch.prefill_tokens
@@ -152,11 +164,26 @@ class WorkerLoad:
             if self.watchers:
                 self._changed()
 
+    def upstream_head(self, dispatch: Dispatch) -> None:
+        """The engine answered the request's head: with ADMIT_AFTER_HEAD, it has taken the request in."""
+        if ADMIT_AFTER_HEAD and dispatch.unconfirmed:
+            self._confirm(dispatch)
+            self.version += 1
+            if self.watchers:
+                self._changed()
+
+    def _confirm(self, dispatch: Dispatch) -> None:
+        if dispatch.unconfirmed:
+            dispatch.unconfirmed = False
+            if dispatch.pending:
+                self._pending_unconfirmed -= 1
+
     def finish_request(self, dispatch: Dispatch) -> None:
         self.version += 1
         self.in_flight -= 1
         self.in_flight_tokens -= dispatch.kv_tokens
         self.finished_since_reading += 1
+        self._confirm(dispatch)
         if dispatch.prefilling:
             dispatch.prefilling = False
             self.prefill_backlog -= dispatch.prefill_tokens
@@ -203,13 +230,30 @@ class WorkerLoad:
 
         0 while it reported none waiting (it admits what it gets); otherwise its reported waiting,
         plus what was sent since, minus one per request finished since (each frees room for one
-        waiter). A worker without a reading is assumed to admit.
+        waiter). A worker without a reading is assumed to admit. With ADMIT_AFTER_OUTPUT (or _HEAD), a
+        worker that reported none waiting holds the requests sent since that have no output (or head) yet (at most as
+        many as were sent since and not balanced by finished ones) while its projected KV usage is at
+        least ADMIT_AFTER_OUTPUT_ABOVE_KV: it may not have had room to take them in.
         """
         reading = self.reading
-        if reading is None or reading.num_waiting == 0:
+        if reading is None or (reading.num_waiting == 0 and not (
+                (ADMIT_AFTER_OUTPUT or ADMIT_AFTER_HEAD) and self._pending_unconfirmed)):
             return 0
         self._forget_before(now - DISPATCH_FORGET_AFTER_S)
-        return max(0, reading.num_waiting + self._pending_count - self.finished_since_reading)
+        return self.backlog_now()
+
+    def backlog_now(self) -> int:
+        """engine_backlog() as of the last event, without forgetting (see forget_before)."""
+        reading = self.reading
+        if reading is None:
+            return 0
+        over = reading.num_waiting + self._pending_count - self.finished_since_reading
+        if reading.num_waiting == 0:
+            if (not (ADMIT_AFTER_OUTPUT or ADMIT_AFTER_HEAD) or not self._pending_unconfirmed
+                    or reading.kv_usage + self._pending_tokens / self._capacity < ADMIT_AFTER_OUTPUT_ABOVE_KV):
+                return 0
+            return max(0, min(self._pending_unconfirmed, over))
+        return max(0, over)
 
     def usage_and_queue(self) -> tuple[float, int]:
         """(projected_kv_usage, queue_depth) as of the last event, without forgetting (see forget_before)."""
@@ -220,9 +264,7 @@ class WorkerLoad:
 
     def admits(self) -> bool:
         """engine_backlog() == 0 as of the last event, without forgetting (see forget_before)."""
-        reading = self.reading
-        return (reading is None or reading.num_waiting == 0
-                or reading.num_waiting + self._pending_count - self.finished_since_reading <= 0)
+        return self.backlog_now() == 0
 
     def forget_before(self, cutoff: float) -> None:
         """Stop counting dispatches sent at or before `cutoff` (what the views do at now - DISPATCH_FORGET_AFTER_S)."""
@@ -245,6 +287,8 @@ class WorkerLoad:
             self._pending_tokens -= dispatch.kv_tokens
             self._pending_count -= 1
             self._pending_prefill -= dispatch.prefill_tokens
+            if dispatch.unconfirmed:
+                self._pending_unconfirmed -= 1
 
     def _forget_before(self, cutoff: float, notify: bool = True) -> None:
         pending = self._pending
@@ -287,8 +331,7 @@ class LoadSnapshot:
         self.running = reading.num_running
         self.reported_waiting = reading.num_waiting
         self.pending_kv = load._pending_tokens
-        self.backlog = (0 if reading.num_waiting == 0
-                        else max(0, reading.num_waiting + load._pending_count - load.finished_since_reading))
+        self.backlog = load.backlog_now()
         self.projected_kv_usage = reading.kv_usage + load._pending_tokens / capacity
 
 

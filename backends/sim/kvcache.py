@@ -71,6 +71,9 @@ class KVCache:
         self._tables: dict[str, list[Block]] = {}
         self._hashes: dict[str, list[int]] = {}  # hashes of the request's full, cached blocks
         self.evictions = 0
+        # (True, hash) when a block hash enters the prefix cache, (False, hash) when it leaves; kept only while
+        # someone reads it (backends/sim/feed.py), None otherwise
+        self.journal: list[tuple[bool, int]] | None = None
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -120,6 +123,10 @@ class KVCache:
         for the last token: the caller passes only the blocks a prompt could reuse)."""
         return leading_run(hashes, self._cached) if self.enable_prefix_caching else 0
 
+    def cached_hashes(self) -> list[int]:
+        """Every block hash in the prefix cache now."""
+        return list(self._cached)
+
     def num_free_cached_blocks(self) -> int:
         """Free blocks that still hold a cached prefix (allocating them evicts it). O(cached blocks)."""
         return sum(1 for b in self._cached.values() if b.ref_cnt == 0)
@@ -152,6 +159,8 @@ class KVCache:
             if block.block_hash is not None:  # evict: the block's old content is gone
                 if self._cached.get(block.block_hash) is block:
                     del self._cached[block.block_hash]
+                    if self.journal is not None:
+                        self.journal.append((False, block.block_hash))
                 block.block_hash = None
                 self.evictions += 1
             block.ref_cnt = 1
@@ -175,6 +184,8 @@ class KVCache:
             if block.block_hash is None and parent not in self._cached:
                 block.block_hash = parent
                 self._cached[parent] = block
+                if self.journal is not None:
+                    self.journal.append((True, parent))
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks; the tail goes to the free list first so it is evicted first."""
@@ -188,7 +199,8 @@ class KVCache:
     def reset_prefix_cache(self) -> None:
         for block in self._free.values():
             if block.block_hash is not None:
-                self._cached.pop(block.block_hash, None)
+                if self._cached.pop(block.block_hash, None) is not None and self.journal is not None:
+                    self.journal.append((False, block.block_hash))
                 block.block_hash = None
 
     def check_invariants(self) -> None:

@@ -8,7 +8,7 @@ serves N completion requests and exits abruptly (os._exit(1), no drain) when req
 --stall-after N freezes the engine once request N+1 is admitted (no more tokens for anyone, while
 /health still answers, like a hung GPU); --slow-start S waits S wall seconds before listening.
 Besides vLLM's routes it serves GET /sim/state: the engine's internals as JSON, for tests and benchmarks,
-and POST /sim/probe: a request body's cached prefix and the queues ahead of it (read-only; bench/oracle.py).
+and GET /sim/feed: the prefix cache and the queues, pushed at every engine step (feed.py; bench/oracle.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from aiohttp import web
 from backends.address import advertise_url
 from backends.reporter import Load, ProxyReporter, parse_proxy_urls
 from backends.sim.engine import SimEngine
-from backends.sim.kvcache import block_hashes
+from backends.sim.feed import StateFeed
 from backends.sim.metrics import CONTENT_TYPE, SimMetrics
 from backends.sim.openai_api import (
     ApiError,
@@ -71,7 +71,7 @@ class SimServer:
         self.draining = False
         self.in_flight = 0
         self.requests_received = 0
-        self._queues_memo: tuple[tuple[int, ...], bytes] | None = None  # see _queues()
+        self.feed = StateFeed(self.engine, served_model_name, preset.name)
         self.idle = asyncio.Event()
         self.idle.set()
         self._rng = random.Random(seed)
@@ -89,7 +89,7 @@ class SimServer:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_get("/sim/state", self.state)
-        app.router.add_post("/sim/probe", self.probe)
+        app.router.add_get("/sim/feed", self.feed.handle)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -141,77 +141,6 @@ class SimServer:
             "prefix_cache_hit_rate": sched.recent_prefix_hit_rate, "in_flight": self.in_flight,
             "requests_received": self.requests_received, "draining": self.draining, "stalled": self.engine.stalled,
         }
-
-    async def probe(self, request: web.Request) -> web.Response:
-        """What this engine holds for a prompt, read-only: the cached prefix and the queues ahead of it
-        (bench/oracle.py's zero-delay view of the true state; not part of vLLM's API). The body is
-        {"block_hashes": [...], "prompt_tokens": N, "media_spans": [[start, length], ...]} (the oracle
-        tokenizes and hashes once, with backends.sim.tokens and kvcache.block_hashes: only the blocks the
-        prompt could reuse), {"token_ids": [...], "media_spans": ...}, or an OpenAI request body."""
-        try:
-            body = orjson.loads(await request.read())
-            kv = self.engine.kv
-            if "block_hashes" in body:
-                hashes, prompt_tokens = [int(h) for h in body["block_hashes"]], int(body["prompt_tokens"])
-                spans = [tuple(x) for x in body.get("media_spans", [])]
-            else:
-                if "token_ids" in body:
-                    token_ids, spans = body["token_ids"], [tuple(x) for x in body.get("media_spans", [])]
-                else:
-                    prompt = (chat_prompt(body["messages"]) if "messages" in body
-                              else completion_prompt(body.get("prompt", "")))
-                    token_ids, spans = prompt.token_ids, prompt.media_spans
-                prompt_tokens = len(token_ids)
-                hashes = block_hashes(token_ids, kv.block_size, max(0, prompt_tokens - 1) // kv.block_size)
-        except (orjson.JSONDecodeError, ValueError, TypeError, AttributeError, KeyError) as exc:
-            return _error(400, f"cannot probe: {exc}", "BadRequestError")
-        sched = self.engine.scheduler
-        cached = kv.cached_run(hashes) * kv.block_size
-        media_uncached = sum(max(0, s + n - max(s, cached)) for s, n in spans)
-        # blocks that queued or running requests will have cached once computed (same prefix, not yet hashed);
-        # bounded work per probe (8 matching requests) so probing does not starve the engine
-        pending, matched = 0, 0
-        if hashes:
-            first = hashes[0]
-            for r in (*sched.waiting, *sched.running):
-                theirs = r.full_block_hashes(kv.block_size)
-                if theirs and theirs[0] == first:
-                    n = next((i for i, (a, b) in enumerate(zip(hashes, theirs, strict=False)) if a != b),
-                             min(len(hashes), len(theirs)))
-                    pending = max(pending, n * kv.block_size)
-                    matched += 1
-                    if matched >= 8:
-                        break
-        mine = orjson.dumps({"model": self.model, "preset": self.preset.name, "time_scale": self.engine.time_scale,
-                             "prompt_tokens": prompt_tokens, "cached_tokens": cached, "pending_prefix_tokens": pending,
-                             "media_tokens_uncached": media_uncached, "draining": self.draining})
-        return web.Response(body=mine[:-1] + b"," + self._queues()[1:], content_type="application/json")
-
-    def _queues(self) -> bytes:
-        """The probe's request-independent part, a JSON object: the queues and free blocks. They change only
-        at an engine step, an arrival or an abort, so they are computed once per such change, not per probe."""
-        sched, kv = self.engine.scheduler, self.engine.kv
-        key = (self.engine.num_steps, self.requests_received, sched.num_finished, len(sched.waiting),
-               len(sched.running))
-        if self._queues_memo is not None and self._queues_memo[0] == key:
-            return self._queues_memo[1]
-        waiting, hit_frac = [], []
-        for i, r in enumerate(sched.waiting):
-            if i < 32:
-                hit = len(kv.find_cached_prefix(r.token_ids, r.full_block_hashes(kv.block_size))) * kv.block_size
-                hit_frac.append(hit / max(1, r.num_tokens))
-            else:  # beyond the first 32: the mean hit fraction of those
-                hit = int(r.num_tokens * sum(hit_frac) / len(hit_frac))
-            waiting.append([r.num_tokens - hit, r.max_tokens - r.num_output_tokens])
-        running = [[r.num_tokens - r.num_computed_tokens, r.max_tokens - r.num_output_tokens,
-                    len(kv.blocks_of(r.request_id)), r.num_tokens] for r in sched.running]
-        queues = orjson.dumps({
-            "block_size": kv.block_size, "num_blocks": kv.num_blocks, "free_blocks": kv.num_free_blocks,
-            "free_empty_blocks": kv.num_free_blocks - kv.num_free_cached_blocks(),
-            "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
-            "waiting": waiting, "running": running})
-        self._queues_memo = (key, queues)
-        return queues
 
     async def tokenize(self, request: web.Request) -> web.Response:
         try:
@@ -289,6 +218,7 @@ class SimServer:
     async def _stream(self, request: web.Request, parsed: ParsedRequest, builder: ResponseBuilder,
                       sim_request: SimRequest, queue: asyncio.Queue) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await self.engine.past_front_end(sim_request)  # as vLLM: the head goes out once preprocessing is done
         await response.prepare(request)
 
         async def send(chunk: dict[str, Any] | None) -> None:

@@ -18,6 +18,7 @@ from aiohttp import web
 from pydantic import ValidationError
 from yarl import URL
 
+from proxy import protocol
 from proxy.config import ProxyConfig
 from proxy.errors import error_response
 from proxy.monitor import HealthMonitor
@@ -166,7 +167,8 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
         secret = new_secret()
         worker = registry.register(reg, secret_hash=secret_hash(secret))
         log.info("registered %s at %s serving %s", worker.worker_id, worker.url, ",".join(worker.models))
-        return _json(RegistrationAccepted(worker_id=worker.worker_id, worker_secret=secret).model_dump())
+        return _json(RegistrationAccepted(worker_id=worker.worker_id, worker_secret=secret,
+                                          report_interval_s=protocol.REPORT_INTERVAL_S).model_dump())
 
     async def report(request: web.Request) -> web.Response:
         worker_id = request.match_info["worker_id"]

@@ -92,7 +92,7 @@ class Exchange:
                  "last_activity", "first_byte_deadline", "timer", "got_head", "paused", "ends_clean",
                  "head_request", "close_delimited", "total_deadline", "keep_alive", "index", "held_head",
                  "tracker", "resumed", "pulse", "stall_detail", "streaming", "timer_at", "on_output",
-                 "events_seen")
+                 "events_seen", "on_head")
 
     def __init__(self, client: Client, mode: int, extra_headers: bytes, timeouts: Timeouts,
                  head_request: bool = False, tracker: StreamTracker | None = None, resumed: bool = False,
@@ -115,6 +115,7 @@ class Exchange:
         # called once when a stream's first generated output arrives (the routing's prefill backlog): its second
         # event, as vLLM sends the role chunk with the first token and the sim sends it at once
         self.on_output: Callable[[], None] | None = None
+        self.on_head: Callable[[], None] | None = None  # called once at the upstream's final (non-1xx) head
         self.events_seen = 0
         self._reset()
 
@@ -204,6 +205,9 @@ class Exchange:
             return
         self.status = status
         self.got_head = True
+        if self.on_head is not None:
+            callback, self.on_head = self.on_head, None
+            callback()
         index = self.index = {name.lower(): value for name, value in self.headers}
         has_length = b"content-length" in index
         te = index.get(b"transfer-encoding")

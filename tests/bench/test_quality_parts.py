@@ -5,13 +5,25 @@ No processes: the smoke run in test_bench_smoke.py covers the fleet, the routers
 
 from __future__ import annotations
 
+import asyncio
 import copy
+from collections import deque
 
 import pytest
 
 from backends.sim.presets import get_preset
+from backends.sim.tokens import Prompt
 from bench.loadgen import Result, RunResult
-from bench.oracle import Sent, _common, effective_cached, kv_aware_cost, owned_blocks, predict_ttft_s
+from bench.oracle import Oracle
+from bench.oracle_view import (
+    Sent,
+    WorkerView,
+    common_run,
+    effective_cached,
+    kv_aware_cost,
+    owned_blocks,
+    predict_ttft_s,
+)
 from bench.quality import QUICK_DIR, aggregate, is_quick, render, ttft_p99_after_first_wave, verdicts
 from bench.workloads import KINDS, MODEL_B, generate, load_or_generate
 
@@ -124,8 +136,68 @@ def test_small_runs_are_quick_and_go_outside_the_results_folder():
     assert "results" not in QUICK_DIR.parts
 
 
+def _feed_line(added=(), removed=(), enqueued=0, reset=False, **queues):
+    line = {"added": list(added), "removed": list(removed), "enqueued": enqueued,
+            "queues": {**_probe(), **queues}}
+    if reset:
+        line.update(reset=True, model="m", preset="h100-qwen3-vl-8b")
+    return line
+
+
+def test_the_oracles_mirror_follows_the_feed_and_counts_what_the_engine_has_not_seen_yet():
+    w = WorkerView("http://w")
+    w.apply(_feed_line([1, 2, 3], reset=True))
+    w.apply(_feed_line([4], [2]))
+    assert w.cached == {1, 3, 4} and w.model == "m" and w.synced.is_set()
+    a, b, c = Sent(100, 7, [1, 5]), Sent(200, 13, [9]), Sent(300, 19, [1, 5, 6])
+    for s in (a, b, c):
+        w.note_sent(s)
+    assert w.unseen() == [a, b, c]
+    w.apply(_feed_line(enqueued=2))  # the engine's scheduler got two of them: the last one is still unseen
+    assert w.unseen() == [c]
+    assert w.pending_prefix_blocks([1, 5, 6, 7]) == 3 and w.pending_prefix_blocks([2]) == 0
+    w.note_done(c, enqueued=False)  # refused before the scheduler: it will never show, and is not pending
+    assert w.unseen() == [] and w.sent == 2 and w.pending_prefix_blocks([1, 5, 6, 7]) == 2
+    # what the oracle scores: the cached run by the mirror, a prefix in flight there counted as cached
+    oracle = Oracle(["http://w"], "kv_aware")
+    view = oracle.view(w, [1, 5, 8], Prompt(list(range(60)), [(16, 16)]))
+    assert view["cached_tokens"] == 16 and view["pending_prefix_tokens"] == 32 and view["media_tokens_uncached"] == 0
+    reset = _feed_line([7], reset=True)
+    w.apply(reset)  # a reconnect starts over from the whole cache
+    assert w.cached == {7}
+
+
+async def test_the_oracle_holds_while_every_engine_queues_and_releases_in_arrival_order_one_per_free_engine():
+    # late binding on the true state (kvroute's admission, without report lag): no timer, feed lines release
+    oracle = Oracle(["http://a", "http://b"], "kv_aware")
+    a, b = oracle.workers
+    for w in (a, b):
+        w.apply(_feed_line(reset=True, waiting=[[100, 8]]))
+    assert not oracle._admits([a, b]) and oracle._admits([a])  # one candidate: its own queue is as good
+    first = asyncio.create_task(oracle._hold("m"))
+    second = asyncio.create_task(oracle._hold("m"))
+    await asyncio.sleep(0)
+    assert not first.done() and not second.done() and oracle.held == 2
+    b.apply(_feed_line(waiting=[]))  # b's engine admitted its queue
+    oracle._release("m")
+    await asyncio.sleep(0)
+    assert first.done() and not second.done()  # the head only, until it is sent
+    oracle._release("m")
+    await asyncio.sleep(0)
+    assert not second.done()
+    b.note_sent(Sent(100, 7, [5]))  # the head goes to b: b has a request its scheduler has not seen yet
+    oracle._releasing.discard("m")
+    oracle._release("m")
+    await asyncio.sleep(0)
+    assert not second.done() and not oracle._admits([a, b])
+    b.apply(_feed_line(enqueued=1, waiting=[]))  # b's scheduler took it and still has room
+    oracle._release("m")
+    await second
+    assert oracle._fifo["m"] == deque()
+
+
 def test_oracle_counts_a_prefix_being_computed_there_as_good_as_cached():
-    assert _common([1, 2, 3, 4], [1, 2, 9]) == 2 and _common([], [1]) == 0
+    assert common_run([1, 2, 3, 4], [1, 2, 9]) == 2 and common_run([], [1]) == 0
     probe = _probe(cached_tokens=0, pending_prefix_tokens=3200)
     assert effective_cached(probe) == 3200 and effective_cached(probe, in_transit_match=3984) == 3984
     preset = get_preset("h100-qwen3-vl-8b")

@@ -222,3 +222,25 @@ def test_kv_high_water_below_one_keeps_the_old_gate_when_asked_for():
         assert task.done()
 
     asyncio.run(scenario())
+
+
+def test_with_admit_after_output_requests_sent_since_the_report_hold_the_next_until_one_has_output(monkeypatch):
+    from proxy import loadview
+
+    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT", True)
+
+    async def scenario():
+        clock, registry, admission, _ = setup({"a": None, "b": None}, queue={"max_length": 8, "max_wait_s": 3600})
+        policy = make_policy("kv_aware", PolicyDeps(prefix_index=PrefixIndex(), rng=random.Random(1)))
+        for wid in ("a", "b"):
+            report(registry, wid, 0.5, running=4, waiting=0)
+        sent = {wid: registry.get(wid).load.start_request(100, clock.now, prefill_tokens=90) for wid in ("a", "b")}
+        task = asyncio.create_task(admission.admit(policy, chat(), "m", set(), True))
+        await turns()
+        assert admission.queue_lengths() == {"m": 1} and not task.done()  # neither engine has shown it took its own
+        registry.get("b").load.first_output(sent["b"])  # what Dispatcher.first_output() does ...
+        admission.wake()                                 # ... and then this (no timer, no report)
+        await turns()
+        assert task.done() and task.result().worker.worker_id == "b"
+
+    asyncio.run(scenario())

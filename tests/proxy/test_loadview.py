@@ -125,3 +125,51 @@ def test_a_snapshot_shows_the_views_of_its_moment_and_is_renewed_by_every_event(
     check(100.01 + DISPATCH_FORGET_AFTER_S + 0.01)  # the dispatch aged out of the pending counts
     load.finish_request(second)
     check(110.0)
+
+
+def test_with_admit_after_output_an_engine_that_reported_no_queue_admits_once_what_was_sent_since_has_output(
+        monkeypatch):
+    from proxy import loadview
+
+    load = WorkerLoad(capacity_tokens=10_000)
+    load.record_reading(EngineReading(0.5, 4, 0), now=100.0, source="report")
+    first = load.start_request(1000, now=100.01, prefill_tokens=900)
+    second = load.start_request(1000, now=100.02, prefill_tokens=900)
+    assert load.admits() and load.engine_backlog(100.03) == 0  # the default: nothing waited at the report
+    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT", True)
+    assert not load.admits() and load.engine_backlog(100.03) == 2 == load.snapshot(100.03).backlog
+    load.first_output(first)  # the engine took it in and computed its prompt
+    assert load.engine_backlog(100.04) == 1 and not load.admits()
+    load.finish_request(second)  # gone without output (an error, say): it waits nowhere
+    assert load.admits() and load.engine_backlog(100.05) == 0
+    third = load.start_request(1000, now=100.06, prefill_tokens=900)
+    assert not load.admits()
+    # a report that shows the engine's queue empty after the dispatch became visible clears it
+    load.record_reading(EngineReading(0.6, 5, 0), now=100.06 + DISPATCH_VISIBLE_AFTER_S + 0.01, source="report")
+    assert load.admits() and third.pending is False
+    # only while the engine's KV is this full: below it, an engine that reported no queue takes what it gets
+    load.start_request(1000, now=101.0, prefill_tokens=900)
+    assert not load.admits()
+    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT_ABOVE_KV", 0.8)  # projected usage 0.6 + 1000 / 10000
+    assert load.admits() and load.engine_backlog(101.01) == 0
+    load.start_request(1500, now=101.02, prefill_tokens=900)  # 0.85
+    assert not load.admits() and load.engine_backlog(101.03) == 2
+
+
+def test_with_admit_after_head_the_engines_answer_head_confirms_it_took_the_request_in(monkeypatch):
+    from proxy import loadview
+
+    monkeypatch.setattr(loadview, "ADMIT_AFTER_HEAD", True)
+    load = WorkerLoad(capacity_tokens=10_000)
+    load.record_reading(EngineReading(0.5, 4, 0), now=100.0, source="report")
+    first = load.start_request(1000, now=100.01, prefill_tokens=900)
+    second = load.start_request(1000, now=100.02, prefill_tokens=900)
+    assert not load.admits() and load.engine_backlog(100.03) == 2
+    load.upstream_head(first)  # its front end handed it to the scheduler: it is not waiting at the door
+    assert load.engine_backlog(100.04) == 1 and first.prefilling  # still prefilling: output is another event
+    load.first_output(second)  # output implies the head
+    assert load.admits() and load.engine_backlog(100.05) == 0
+    monkeypatch.setattr(loadview, "ADMIT_AFTER_HEAD", False)
+    third = load.start_request(1000, now=100.06, prefill_tokens=900)
+    load.upstream_head(third)  # without the knob a head confirms nothing, and nothing waits for one
+    assert third.unconfirmed and load.admits()

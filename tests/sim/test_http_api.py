@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
+import orjson
 import pytest
 
 from backends.sim.kvcache import block_hashes
@@ -98,21 +101,32 @@ def test_health_tokenize_and_metrics_names(worker):
     assert 'model_name="qwen3-vl-tiny"' in text and 'engine="0"' in text
 
 
-def test_the_oracle_probe_finds_a_served_prompts_prefix_by_block_hashes_made_in_another_process(worker):
-    # bench/oracle.py hashes each prompt once, in its own process, and sends only the hashes to every sim
+def test_the_state_feed_mirrors_the_prefix_cache_in_hashes_made_in_another_process(worker):
+    # bench/oracle.py keeps a copy of each sim's prefix cache from GET /sim/feed and hashes prompts in its own
+    # process: the copy must hold the served prompt's blocks under the same hashes, the queues must be empty
+    # again once the request is done, and nothing else may be in the copy
     messages = [{"role": "user", "content": "A long system prompt that many requests share. " * 30}]
-    served = httpx.post(f"{worker}/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2},
-                        timeout=30)
-    assert served.status_code == 200
     ids = chat_prompt(messages).token_ids
-    by_body = httpx.post(f"{worker}/sim/probe", json={"messages": messages}, timeout=10).json()
-    bs = by_body["block_size"]
-    reusable = (len(ids) - 1) // bs  # vLLM recomputes at least the last token
-    by_hashes = httpx.post(f"{worker}/sim/probe", timeout=10, json={
-        "block_hashes": block_hashes(ids, bs, reusable), "prompt_tokens": len(ids)}).json()
-    assert by_body["prompt_tokens"] == by_hashes["prompt_tokens"] == len(ids)
-    assert by_body["cached_tokens"] == by_hashes["cached_tokens"] == reusable * bs > 0
+    mirror: set[int] = set()
+    with httpx.stream("GET", f"{worker}/sim/feed", timeout=10) as feed:
+        lines = feed.iter_lines()
+        first = orjson.loads(next(lines))
+        assert first["reset"] and first["model"] == MODEL and first["added"] == [] and first["enqueued"] == 0
+        bs = first["queues"]["block_size"]
+        wanted = block_hashes(ids, bs, (len(ids) - 1) // bs)
+        assert wanted
+        served = httpx.post(f"{worker}/v1/chat/completions", timeout=30,
+                            json={"model": MODEL, "messages": messages, "max_tokens": 2})
+        assert served.status_code == 200
+        deadline = time.monotonic() + 20
+        while True:
+            line = orjson.loads(next(lines))
+            mirror.update(line["added"])
+            mirror.difference_update(line["removed"])
+            if line["enqueued"] == 1 and not line["queues"]["running"] and not line["queues"]["waiting"]:
+                break
+            assert time.monotonic() < deadline, line
+    assert set(wanted) <= mirror
+    assert len(mirror) <= (len(ids) + 2) // bs  # the full blocks of the prompt and its 2 tokens, nothing more
     other = chat_prompt([{"role": "user", "content": "Nothing like it was ever sent here. " * 30}]).token_ids
-    cold = httpx.post(f"{worker}/sim/probe", timeout=10, json={
-        "block_hashes": block_hashes(other, bs, (len(other) - 1) // bs), "prompt_tokens": len(other)}).json()
-    assert cold["cached_tokens"] == 0 and cold["waiting"] == [] and cold["running"] == []
+    assert not set(block_hashes(other, bs)) & mirror
