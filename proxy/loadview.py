@@ -230,10 +230,10 @@ class WorkerLoad:
 
         0 while it reported none waiting (it admits what it gets); otherwise its reported waiting,
         plus what was sent since, minus one per request finished since (each frees room for one
-        waiter). A worker without a reading is assumed to admit. With ADMIT_AFTER_OUTPUT (or _HEAD), a
-        worker that reported none waiting holds the requests sent since that have no output (or head) yet (at most as
-        many as were sent since and not balanced by finished ones) while its projected KV usage is at
-        least ADMIT_AFTER_OUTPUT_ABOVE_KV: it may not have had room to take them in.
+        waiter). A worker without a reading is assumed to admit. With ADMIT_AFTER_OUTPUT (or _HEAD),
+        a worker that reported none waiting holds the requests sent since that have no output (or no
+        response head) yet, at most as many as were sent since and not balanced by finished ones, while
+        its projected KV usage is at least ADMIT_AFTER_OUTPUT_ABOVE_KV: it may not have taken them in.
         """
         reading = self.reading
         if reading is None or (reading.num_waiting == 0 and not (
