@@ -135,10 +135,10 @@ def owned_blocks(sent_blocks: set[int], hashes: list[int]) -> int:
     return leading_run(hashes, sent_blocks)
 
 
-def effective_cached(probe: dict[str, Any], in_transit_match: int = 0) -> int:
+def effective_cached(probe: dict[str, Any]) -> int:
     """Prefix tokens this request will not prefill there: cached now, or computed by a request queued or
     running there (or sent there by the oracle) before this one is scheduled."""
-    return max(probe["cached_tokens"], probe.get("pending_prefix_tokens", 0), in_transit_match)
+    return max(probe["cached_tokens"], probe.get("pending_prefix_tokens", 0))
 
 
 def predict_ttft_s(preset: Preset, probe: dict[str, Any], extra_ahead_tokens: int = 0,

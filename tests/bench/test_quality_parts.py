@@ -199,7 +199,7 @@ async def test_the_oracle_holds_while_every_engine_queues_and_releases_in_arriva
 def test_oracle_counts_a_prefix_being_computed_there_as_good_as_cached():
     assert common_run([1, 2, 3, 4], [1, 2, 9]) == 2 and common_run([], [1]) == 0
     probe = _probe(cached_tokens=0, pending_prefix_tokens=3200)
-    assert effective_cached(probe) == 3200 and effective_cached(probe, in_transit_match=3984) == 3984
+    assert effective_cached(probe) == 3200
     preset = get_preset("h100-qwen3-vl-8b")
     assert predict_ttft_s(preset, probe) < predict_ttft_s(preset, _probe())
 
