@@ -1,4 +1,4 @@
-"""The worker's side of the control path: register with the proxy, report load at >= 4 Hz, deregister.
+"""The worker's side of the control path: register with the proxy, report load as often as it asks, deregister.
 
 Engine-agnostic: an engine adapter hands it a `LoadSource` (an async callable that
 returns the current load); this module owns retries, re-registration and the report
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from proxy.protocol import REPORT_INTERVAL_S, WORKER_SECRET_HEADER, LoadReport, WorkerRegistration
+from proxy.protocol import REPORT_INTERVAL_MAX_S, WORKER_SECRET_HEADER, LoadReport, WorkerRegistration
 from proxy.security.redact import redact_text
 
 log = logging.getLogger("kvroute.reporter")
@@ -38,6 +38,8 @@ class Load:
 
 LoadSource = Callable[[], Awaitable[Load]]
 
+# The fastest report cadence a proxy can ask for.
+MIN_INTERVAL_S = 0.01
 # Reports that fail to connect in a row before the worker moves to the next of its proxies.
 FAILOVER_AFTER_FAILURES = 2
 # A report that takes longer than this counts as failed: two of them in a row move the worker to the next
@@ -66,7 +68,7 @@ class ProxyReporter:
     """
 
     def __init__(self, proxy_url: str | Sequence[str], registration: WorkerRegistration, load_source: LoadSource,
-                 token: str | None = None, interval_s: float = REPORT_INTERVAL_S) -> None:
+                 token: str | None = None, interval_s: float = REPORT_INTERVAL_MAX_S) -> None:
         # Several proxies (replicas sharing Redis): talk to one, move to the next when it stops answering.
         self.proxy_urls = parse_proxy_urls(proxy_url)
         if not self.proxy_urls:
@@ -76,7 +78,9 @@ class ProxyReporter:
             registration = registration.model_copy(update={"boot_id": uuid.uuid4().hex})
         self.registration = registration
         self.load_source = load_source
-        self.interval_s = interval_s
+        # the proxy says how often it wants reports (its answers to registration and to each report, scaled to
+        # the fleet's size); `interval_s` is the slowest this worker reports whatever it says
+        self.max_interval_s = self.interval_s = interval_s
         self.state = "ready"
         self.worker_id: str | None = registration.worker_id
         self.registered = asyncio.Event()
@@ -106,7 +110,7 @@ class ProxyReporter:
                         self.worker_id = body["worker_id"]
                         self._secret = body.get("worker_secret") or None
                         self._seq = 0  # a new registration starts a new sequence
-                        self.interval_s = min(self.interval_s, float(body.get("report_interval_s", self.interval_s)))
+                        self._adopt_interval(body)
                         log.info("registered with %s as %s", redact_text(self.proxy_url), self.worker_id)
                         self.registered.set()
                         return
@@ -153,7 +157,15 @@ class ProxyReporter:
                 return False
             if resp.status >= 400:
                 log.warning("report rejected (%s): %s", resp.status, (await resp.text())[:200])
+            elif resp.content_type == "application/json":
+                self._adopt_interval(await resp.json())
         return True
+
+    def _adopt_interval(self, body: object) -> None:
+        """Report as often as the proxy's answer asks (never slower than max_interval_s, never above 100 Hz)."""
+        asked = body.get("report_interval_s") if isinstance(body, dict) else None
+        if isinstance(asked, int | float) and asked > 0:
+            self.interval_s = min(self.max_interval_s, max(MIN_INTERVAL_S, float(asked)))
 
     def _own_headers(self) -> dict[str, str]:
         """Credentials for acting on this worker: its own secret; a proxy without secrets gets the token."""

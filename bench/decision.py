@@ -4,13 +4,14 @@ Owns the measurement only: a real Registry, PolicySet, AdmissionController and P
 proxy/app.py builds them (no sockets, no engines), fed the way a running proxy is fed.
 
 Per fleet size and policy, on a simulated clock (DECISIONS_PER_S decisions per second):
-- every worker sends a load report every REPORT_INTERVAL_S (registry.record_report, as the control
-  plane calls it): KV usage drifting around a per-worker level in 5..90%, running 0..64, and about a
+- every worker sends a load report every protocol.report_interval_for(workers) seconds
+  (registry.record_report, as the control plane calls it): KV usage drifting around a per-worker level in 5..90%, running 0..64, and about a
   fifth of the workers queueing (num_waiting 1..8);
 - each decision is `await Dispatcher.pick(...)` for a parsed chat request whose system prompt is one of
   PROMPTS shared ones (Zipf-skewed, 200..2000 words, so the prefix index has hits) plus a unique
-  question; the pick is followed by Dispatcher.begin (prefix index insert, load accounting) and the
-  oldest attempt is ended with Dispatcher.end once IN_FLIGHT_PER_WORKER x workers are in flight;
+  question; the pick is followed by Dispatcher.begin (prefix index insert, load accounting), its first
+  output (Dispatcher.first_output) FIRST_OUTPUT_AFTER_S later, and the oldest attempt is ended with
+  Dispatcher.end once IN_FLIGHT_PER_WORKER x workers are in flight;
 - RETRY_SHARE of the decisions are also retried (tried = the first pick's worker, first_attempt False).
 
 Timed around the awaited pick only: every other decision by wall clock (perf_counter_ns), the others
@@ -29,6 +30,7 @@ import gc
 import os
 import random
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,7 @@ from bench.report import environment_note, fmt, md_table, results_path, write_js
 FLEET_SIZES = (10, 100, 1000)
 POLICIES = ("kv_aware", "kv_cost")
 DECISIONS_PER_S = 2000.0
-REPORT_INTERVAL_S = 0.25
+FIRST_OUTPUT_AFTER_S = 0.002  # simulated s from a dispatch to its first output: short, so engines keep admitting (picks, not holds, are timed)
 IN_FLIGHT_PER_WORKER = 4
 PROMPTS = 64
 RETRY_SHARE = 0.05
@@ -89,7 +91,7 @@ class _Fleet:
             registry.register(WorkerRegistration(worker_id=wid, url=f"http://10.0.{i // 250}.{i % 250}:8000",
                                                  models=["m"], engine="vllm", kv_capacity_tokens=CAPACITY_TOKENS,
                                                  max_model_len=MAX_MODEL_LEN))
-        self.next_report = 0  # round robin: each worker reports once per REPORT_INTERVAL_S
+        self.next_report = 0  # round robin: each worker reports once per report interval
 
     def report(self, wid: str) -> float:
         """One load report through registry.record_report; its duration in microseconds."""
@@ -161,6 +163,7 @@ async def _one_cell(n: int, policy_name: str, decisions: int, requests: list[Any
     from proxy.config import FleetConfig
     from proxy.dispatch import Dispatcher, InFlight, PolicySet
     from proxy.metrics import ProxyMetrics
+    from proxy.protocol import report_interval_for
     from proxy.registry import Registry
     from proxy.routing.base import PolicyDeps
     from proxy.routing.prefix_index import PrefixIndex
@@ -176,7 +179,8 @@ async def _one_cell(n: int, policy_name: str, decisions: int, requests: list[Any
     policy = policies.for_model("m")
     fleet = _Fleet(registry, n, rng)
     fleet.reports_due(n)  # everyone has a reading
-    reports_per_decision = n / REPORT_INTERVAL_S / DECISIONS_PER_S
+    reports_per_decision = n / report_interval_for(n) / DECISIONS_PER_S
+    no_output_yet: deque[tuple[float, InFlight]] = deque()
     owed = 0.0
     in_flight: list[InFlight] = []
     max_in_flight = IN_FLIGHT_PER_WORKER * n
@@ -210,7 +214,11 @@ async def _one_cell(n: int, policy_name: str, decisions: int, requests: list[Any
             if timed:
                 retry_us.append((time.perf_counter_ns() - t2) / 1000.0)
         t3 = time.perf_counter_ns()
-        in_flight.append(dispatcher.begin(decision, policy, routed))
+        ticket = dispatcher.begin(decision, policy, routed)
+        in_flight.append(ticket)
+        no_output_yet.append((clock.now + FIRST_OUTPUT_AFTER_S, ticket))
+        while no_output_yet[0][0] <= clock.now:
+            dispatcher.first_output(no_output_yet.popleft()[1])
         ended = None
         if len(in_flight) > max_in_flight:
             ended = in_flight.pop(rng.randrange(len(in_flight) // 4 + 1))  # mostly the oldest finish first
@@ -263,8 +271,9 @@ def run(args: argparse.Namespace) -> int:
     out = [f"# Decision time\n\n{environment_note()}; run took {time.time() - t_start:.0f} s; load average "
            f"{load:.1f} at the end (a busy box inflates p99 most).\n",
            "`Dispatcher.pick` as the data plane awaits it (admission, candidate filtering, policy), in-process, "
-           f"{args.decisions} timed decisions per cell (half by wall clock, half by CPU time) after {WARMUP} warm-up ones; reports every "
-           f"{REPORT_INTERVAL_S:g} s per worker at {DECISIONS_PER_S:g} decisions/s (simulated clock), "
+           f"{args.decisions} timed decisions per cell (half by wall clock, half by CPU time) after {WARMUP} warm-up ones; reports at "
+           f"the interval the proxy asks of each fleet size (protocol.report_interval_for) at {DECISIONS_PER_S:g} decisions/s "
+           f"(simulated clock), first output {FIRST_OUTPUT_AFTER_S * 1000:g} ms after each dispatch, "
            f"{IN_FLIGHT_PER_WORKER} requests in flight per worker, {PROMPTS} shared system prompts. "
            "Command: `python -m bench.decision` (`kvroute bench decision`).\n"]
     table = [[r["policy"], r["workers"], fmt(r["p50_us"]), fmt(r["p99_us"]), fmt(r["cpu_p50_us"]),

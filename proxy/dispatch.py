@@ -208,8 +208,8 @@ class Dispatcher:
         return ticket
 
     def first_output(self, ticket: InFlight) -> None:
-        """The attempt's first generated output reached the proxy (its prefill is done; with the
-        admit_after_output knob its engine may admit again: the head of a queue may go)."""
+        """The attempt's first generated output reached the proxy (its prefill is done; with
+        loadview.ADMIT_AFTER_OUTPUT, the default, its engine may admit again: the head of a queue may go)."""
         ticket.decision.worker.load.first_output(ticket.dispatch)
         if loadview.ADMIT_AFTER_OUTPUT or loadview.ADMIT_AFTER_HEAD:
             self.admission.wake()

@@ -26,17 +26,20 @@ from typing import Protocol
 from proxy import promtext
 
 # A reading arriving this long after a dispatch already shows that request (as KV use or as
-# num_waiting): one report interval of network + engine scheduling slack.
+# num_waiting): network + the engine's API front end (tokenizing, image preprocessing). vLLM CPU on the
+# 2-core box counted a request 34-63 ms (p50; max 72) after it was sent, an image one 47 ms
+# (bench/results/2026-12-02-vllm-report-path.md): 0.03 s, which the sims preferred in zipf_hot, would
+# take requests still in vLLM's front end for admitted.
 DISPATCH_VISIBLE_AFTER_S = 0.1
 # Pending dispatches older than this are dropped even without a new reading: by then the
 # worker is stale and its numbers are not trusted anyway.
 DISPATCH_FORGET_AFTER_S = 5.0
-# Off by default (ablation knobs): an engine that reported nothing waiting admits only once every request sent
-# to it since that report is confirmed there (see engine_backlog): by its first output (`admit_after_output`)
-# or by its response head (`admit_after_head`: an engine sends it once its front end has handed the request to
-# the scheduler), and only while its projected KV usage is at least ADMIT_AFTER_OUTPUT_ABOVE_KV
-# (`admit_above_kv`; 0: always)
-ADMIT_AFTER_OUTPUT = False
+# An engine that reported nothing waiting admits only once every request sent to it since that report is
+# confirmed there (see engine_backlog): by its first output (ADMIT_AFTER_OUTPUT, the default: under KV pressure
+# it halves TTFT p99, README "The oracles") or by its response head (`admit_after_head`, an ablation knob, off:
+# an engine sends it once its front end has handed the request to the scheduler), and only while its projected
+# KV usage is at least ADMIT_AFTER_OUTPUT_ABOVE_KV (`admit_above_kv`; 0: always). A newer report confirms too.
+ADMIT_AFTER_OUTPUT = True
 ADMIT_AFTER_HEAD = False
 ADMIT_AFTER_OUTPUT_ABOVE_KV = 0.0
 # KV size assumed for a worker that never said (LMDeploy /nodes/add without a report).
@@ -242,14 +245,16 @@ class WorkerLoad:
         self._forget_before(now - DISPATCH_FORGET_AFTER_S)
         return self.backlog_now()
 
-    def backlog_now(self) -> int:
-        """engine_backlog() as of the last event, without forgetting (see forget_before)."""
+    def backlog_now(self, unconfirmed: bool = True) -> int:
+        """engine_backlog() as of the last event, without forgetting (see forget_before); `unconfirmed=False`:
+        without counting requests sent since a report of no queue that are not confirmed yet (those may be
+        waiting, which is what admission asks; a queueing-time prediction wants what surely waits)."""
         reading = self.reading
         if reading is None:
             return 0
         over = reading.num_waiting + self._pending_count - self.finished_since_reading
         if reading.num_waiting == 0:
-            if (not (ADMIT_AFTER_OUTPUT or ADMIT_AFTER_HEAD) or not self._pending_unconfirmed
+            if (not unconfirmed or not (ADMIT_AFTER_OUTPUT or ADMIT_AFTER_HEAD) or not self._pending_unconfirmed
                     or reading.kv_usage + self._pending_tokens / self._capacity < ADMIT_AFTER_OUTPUT_ABOVE_KV):
                 return 0
             return max(0, min(self._pending_unconfirmed, over))
@@ -308,11 +313,12 @@ class LoadSnapshot:
     """A WorkerLoad's views after forgetting old dispatches, as plain numbers (see WorkerLoad's methods).
 
     used: reported KV tokens in use; waiting: reported waiting less those finished since (each let one
-    in); running: reported running (in flight without a reading); backlog: engine_backlog().
+    in); running: reported running (in flight without a reading); backlog: engine_backlog(); queued: the same
+    without the requests that are only unconfirmed (backlog_now(unconfirmed=False)).
     """
 
     __slots__ = ("capacity", "used", "waiting", "running", "reported_waiting", "pending_kv", "pending_prefill",
-                 "oldest_pending_at", "backlog", "projected_kv_usage", "in_flight")
+                 "oldest_pending_at", "backlog", "queued", "projected_kv_usage", "in_flight")
 
     def __init__(self, load: WorkerLoad) -> None:
         capacity = self.capacity = load.capacity_tokens
@@ -323,7 +329,7 @@ class LoadSnapshot:
         if reading is None:
             self.used, self.waiting, self.running, self.reported_waiting = 0.0, 0, load.in_flight, 0
             self.pending_kv = load.in_flight_tokens
-            self.backlog = 0
+            self.backlog = self.queued = 0
             self.projected_kv_usage = load.in_flight_tokens / capacity
             return
         self.used = reading.kv_usage * capacity
@@ -332,6 +338,7 @@ class LoadSnapshot:
         self.reported_waiting = reading.num_waiting
         self.pending_kv = load._pending_tokens
         self.backlog = load.backlog_now()
+        self.queued = load.backlog_now(unconfirmed=False)
         self.projected_kv_usage = reading.kv_usage + load._pending_tokens / capacity
 
 

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 
 import aiohttp
 
-from backends.engines.base import EngineLaunch, fetch_metrics
+from backends.engines.base import EngineLaunch, MetricsReader
 from backends.reporter import Load
 from proxy import promtext
 
@@ -76,6 +76,7 @@ class TurbomindAdapter:
 
     def __init__(self) -> None:
         self._engine = "turbomind"
+        self._metrics = MetricsReader(METRIC_NAMES, probe=RUNNING)
 
     @property
     def running_engine(self) -> str:
@@ -108,4 +109,4 @@ class TurbomindAdapter:
         return None  # LMDeploy's api_server has no such count: drain falls back to running + waiting
 
     async def read_load(self, session: aiohttp.ClientSession, base_url: str) -> Load:
-        return projected_load(promtext.parse(await fetch_metrics(session, base_url), names=METRIC_NAMES))
+        return projected_load(promtext.parse(await self._metrics.read(session, base_url), names=METRIC_NAMES))

@@ -9,7 +9,8 @@ Owns vLLM specifics only; the supervisor (backends/worker.py) runs the process.
 - Environment: CUDA_VISIBLE_DEVICES = --gpus. On the CPU, VLLM_CPU_KVCACHE_SPACE (GiB) silently
   overrides --kv-cache-memory-bytes, and an empty value crashes the engine, so it is removed
   whenever the engine args size the KV cache themselves (or it is empty).
-- Load: `/metrics` on loopback, which vLLM updates every engine step:
+- Load: `/metrics/` on loopback, only the samples below (base.MetricsReader: `/metrics` itself ignores
+  the filter), which vLLM updates every engine step:
   `vllm:kv_cache_usage_perc` (a 0..1 fraction despite the name), `vllm:num_requests_running`,
   `vllm:num_requests_waiting`, the prefix-cache counters `vllm:prefix_cache_queries_total` /
   `vllm:prefix_cache_hits_total` (the hit rate reported is over the interval since the previous
@@ -27,7 +28,7 @@ from collections.abc import Mapping
 
 import aiohttp
 
-from backends.engines.base import EngineLaunch, fetch_metrics
+from backends.engines.base import EngineLaunch, MetricsReader
 from backends.engines.vllm_speed import METRIC_NAMES as SPEED_METRIC_NAMES
 from backends.engines.vllm_speed import VllmSpeed
 from backends.reporter import Load
@@ -69,6 +70,7 @@ class VllmAdapter:
     def __init__(self) -> None:
         self._prefix = PrefixHitRate()
         self._speed = VllmSpeed()
+        self._metrics = MetricsReader(METRIC_NAMES, probe=RUNNING)
 
     @property
     def running_engine(self) -> str:
@@ -120,4 +122,4 @@ class VllmAdapter:
         )
 
     async def read_load(self, session: aiohttp.ClientSession, base_url: str) -> Load:
-        return self.load_from_metrics(await fetch_metrics(session, base_url))
+        return self.load_from_metrics(await self._metrics.read(session, base_url))

@@ -22,7 +22,7 @@ from proxy import protocol
 from proxy.config import ProxyConfig
 from proxy.errors import error_response
 from proxy.monitor import HealthMonitor
-from proxy.protocol import LoadReport, RegistrationAccepted, WorkerRegistration
+from proxy.protocol import LoadReport, RegistrationAccepted, ReportAccepted, WorkerRegistration
 from proxy.registry import Registry, Worker, WorkerState, worker_id_from_url
 from proxy.security import peer
 from proxy.security.controlauth import ADMIN_WHAT, Caller, ControlAuth, new_secret, secret_hash
@@ -168,7 +168,7 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
         worker = registry.register(reg, secret_hash=secret_hash(secret))
         log.info("registered %s at %s serving %s", worker.worker_id, worker.url, ",".join(worker.models))
         return _json(RegistrationAccepted(worker_id=worker.worker_id, worker_secret=secret,
-                                          report_interval_s=protocol.REPORT_INTERVAL_S).model_dump())
+                                          report_interval_s=_report_interval()).model_dump())
 
     async def report(request: web.Request) -> web.Response:
         worker_id = request.match_info["worker_id"]
@@ -181,7 +181,10 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
                                   param="worker_id")
         if not registry.record_report(worker_id, load):
             return _unknown(worker_id)
-        return _json({"ok": True})
+        return _json(ReportAccepted(report_interval_s=_report_interval()).model_dump())
+
+    def _report_interval() -> float:
+        return protocol.report_interval_for(len(registry))
 
     async def list_workers(request: web.Request) -> web.Response:
         now = registry.clock()

@@ -20,16 +20,15 @@ moves one request per freed slot, in arrival order, and a new arrival queues beh
 `kv_high_water` below 1.0 adds the old rule (hold while every candidate's projected KV usage is
 at or above it): it trades throughput for headroom against preemption and is off by default.
 
-Where this loses to an oracle: an engine that reported nothing waiting counts as admitting until its next
-report, whatever was sent to it since. The bench's oracle, binding late on each engine's true state, had
-under half of the default's TTFT p99 in kv_pressure at 95% load, and given this one rule it lost most of
-that (README "The oracles"). loadview.ADMIT_AFTER_OUTPUT (off; bench knob `admit_after_output`) holds
-instead while every engine has requests sent since its report without output yet, and a first output
-(Dispatcher.first_output) wakes the queue. Alone it halves kv_pressure's p99 but waits for short prefills
-where engines have room (zipf_hot, bursts worse); with reports every 0.05 s and reports trusted to show a
-dispatch 0.03 s after it (`report_interval`, `visible_after`) it was better than today's default in all three
-of kv_pressure, zipf_hot and bursts (bench/results/2026-12-02-quality-open95-admit-after-output-fast-reports-
-ab*.md). Not the default yet: see README "The oracles" for what is left to decide.
+When an engine "would have admitted": an engine that reported nothing waiting admits, but what was sent to
+it since that report may not have reached its scheduler yet. loadview.ADMIT_AFTER_OUTPUT (the default)
+counts those as possibly waiting until their first output (Dispatcher.first_output wakes the queue) or a
+newer report shows them, so while every engine has such requests the queue holds and binds late. Workers
+report every 0.05 s in a small fleet (protocol.report_interval_for). Against the previous rule (admit until
+the next report, at 4 Hz) this cut kv_pressure's TTFT p99 at 95% load from 774 to 496 ms (0 preemptions
+instead of 20), zipf_hot's from 222 to 212 and bursts' from 230 to 196 (README "The oracles": the bench's
+oracle, binding late on each engine's true state, showed this rule was the gap;
+bench/results/2026-12-02-quality-open95-admit-after-output-fast-reports-ab.md).
 
 Candidates come from proxy/routing/candidates.py's rosters (ready workers of the model that fit the
 request's context, kept up to date by load events, with a count of engines that admit at once), so a

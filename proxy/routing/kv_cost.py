@@ -131,7 +131,9 @@ def _terms(load: LoadSnapshot, model: WorkerModel, prompt: int, media: int, outp
            cached: int, hot_tokens: int, now: float, fleet_waiting: int
            ) -> _Terms:
     """predict() as (queue_s, prefill_s, evict_s, delay_s, cached, uncached, media_uncached, cost_s): arithmetic only."""
-    used, waiting, backlog, capacity = load.used, load.waiting, load.backlog, load.capacity
+    # the engine's surely-waiting requests (not admission's "may be waiting": requests sent since a report of no
+    # queue and without output yet are prefilling more often than not, and pending_prefill prices them already)
+    used, waiting, backlog, capacity = load.used, load.waiting, load.queued, load.capacity
     kv_bar = model.mean_kv_tokens or float(expected_kv)
     prefill_bar = model.mean_prefill_tokens or float(prompt)
     # (conditional expressions instead of min/max: the same values, without a call each)

@@ -127,17 +127,18 @@ def test_a_snapshot_shows_the_views_of_its_moment_and_is_renewed_by_every_event(
     check(110.0)
 
 
-def test_with_admit_after_output_an_engine_that_reported_no_queue_admits_once_what_was_sent_since_has_output(
-        monkeypatch):
+def test_an_engine_that_reported_no_queue_admits_once_what_was_sent_since_has_output(monkeypatch):
     from proxy import loadview
 
     load = WorkerLoad(capacity_tokens=10_000)
     load.record_reading(EngineReading(0.5, 4, 0), now=100.0, source="report")
     first = load.start_request(1000, now=100.01, prefill_tokens=900)
     second = load.start_request(1000, now=100.02, prefill_tokens=900)
-    assert load.admits() and load.engine_backlog(100.03) == 0  # the default: nothing waited at the report
-    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT", True)
+    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT", False)  # the previous default: nothing waited at the report
+    assert load.admits() and load.engine_backlog(100.03) == 0
+    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT", True)  # the default
     assert not load.admits() and load.engine_backlog(100.03) == 2 == load.snapshot(100.03).backlog
+    assert load.snapshot(100.03).queued == 0  # what surely waits (kv_cost's queueing time): nothing reported
     load.first_output(first)  # the engine took it in and computed its prompt
     assert load.engine_backlog(100.04) == 1 and not load.admits()
     load.finish_request(second)  # gone without output (an error, say): it waits nowhere
@@ -160,6 +161,7 @@ def test_with_admit_after_head_the_engines_answer_head_confirms_it_took_the_requ
     from proxy import loadview
 
     monkeypatch.setattr(loadview, "ADMIT_AFTER_HEAD", True)
+    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT", False)
     load = WorkerLoad(capacity_tokens=10_000)
     load.record_reading(EngineReading(0.5, 4, 0), now=100.0, source="report")
     first = load.start_request(1000, now=100.01, prefill_tokens=900)
