@@ -108,8 +108,9 @@ class SimEngine:
         return queue
 
     async def past_front_end(self, request: SimRequest) -> None:
-        """Wait until the front end has handed the request to the scheduler (or it was aborted): where vLLM's
-        API server, done preprocessing, starts the response."""
+        """Wait until the front end has handed the request to the scheduler (or it was aborted): where the sim
+        starts the response (vLLM CPU starts it earlier, before its /metrics count the request:
+        bench/results/2026-12-02-vllm-report-path.md)."""
         future = self._in_front_end.get(request.request_id)
         if future is not None:
             await asyncio.shield(future)

@@ -218,7 +218,7 @@ class SimServer:
     async def _stream(self, request: web.Request, parsed: ParsedRequest, builder: ResponseBuilder,
                       sim_request: SimRequest, queue: asyncio.Queue) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await self.engine.past_front_end(sim_request)  # as vLLM: the head goes out once preprocessing is done
+        await self.engine.past_front_end(sim_request)  # the head goes out once preprocessing is done (vLLM CPU: earlier)
         await response.prepare(request)
 
         async def send(chunk: dict[str, Any] | None) -> None:
