@@ -201,7 +201,8 @@ class Dispatcher:
     def begin(self, decision: Decision, policy: Policy, routed: RoutedRequest) -> InFlight:
         """The request goes to decision.worker now: start its accounting. Pass the result to end()."""
         now = self.registry.clock()
-        dispatch = decision.worker.load.start_request(decision.kv_tokens, now, decision.prefill_tokens)
+        dispatch = decision.worker.load.start_request(decision.kv_tokens, now, decision.prefill_tokens,
+                                                      streamed=routed.stream)
         policy.on_dispatch(decision, routed, now)
         ticket = InFlight(decision, policy, routed, dispatch, time.monotonic())
         self.admission.wake()  # a released waiter is placed: the next head sees this dispatch

@@ -141,8 +141,12 @@ class WorkerLoad:
         if self.watchers:
             self._changed()
 
-    def start_request(self, kv_tokens: int, now: float, prefill_tokens: int = 0) -> Dispatch:
-        """A request was sent to this worker; hand the result to finish_request exactly once."""
+    def start_request(self, kv_tokens: int, now: float, prefill_tokens: int = 0, streamed: bool = True) -> Dispatch:
+        """A request was sent to this worker; hand the result to finish_request exactly once.
+
+        `streamed=False`: its first output arrives only with its whole answer, so waiting for it (ADMIT_AFTER_OUTPUT)
+        would hold the queue for every request's full length: it counts as confirmed from the start.
+        """
         self.version += 1
         self.in_flight += 1
         self.in_flight_tokens += kv_tokens
@@ -152,7 +156,10 @@ class WorkerLoad:
         self._pending_tokens += kv_tokens
         self._pending_count += 1
         self._pending_prefill += prefill_tokens
-        self._pending_unconfirmed += 1
+        if streamed:
+            self._pending_unconfirmed += 1
+        else:
+            dispatch.unconfirmed = False
         self.prefill_backlog += prefill_tokens
         if self.watchers:
             self._changed()

@@ -139,6 +139,8 @@ def test_an_engine_that_reported_no_queue_admits_once_what_was_sent_since_has_ou
     monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT", True)  # the default
     assert not load.admits() and load.engine_backlog(100.03) == 2 == load.snapshot(100.03).backlog
     assert load.snapshot(100.03).queued == 0  # what surely waits (kv_cost's queueing time): nothing reported
+    whole = load.start_request(1000, now=100.035, prefill_tokens=900, streamed=False)  # output only at its end
+    assert not whole.unconfirmed and load.engine_backlog(100.035) == 2  # it does not hold the queue
     load.first_output(first)  # the engine took it in and computed its prompt
     assert load.engine_backlog(100.04) == 1 and not load.admits()
     load.finish_request(second)  # gone without output (an error, say): it waits nowhere
