@@ -65,7 +65,7 @@ class MetricsReader:
     prometheus_client's exposition honours `?name[]=<sample>`. vLLM serves two: its `/metrics` route
     (prometheus-fastapi-instrumentator's, which ignores the filter) and, behind it, prometheus_client's own
     app mounted on `/metrics/...`, which filters. Asked at `/metrics/`, a vLLM reading shrinks from ~50 KB
-    (~2.6 ms of its API server's CPU on the 2-core box, bench/results/*-vllm-report-path.md) to ~3 KB, so the
+    (~3 ms of its API server's CPU on the 2-core box, bench/results/*-vllm-report-path.md) to ~3 KB, so the
     worker can report as often as the proxy asks (protocol.REPORT_INTERVAL_S). An engine whose filtered
     answer lacks `probe` (no such mount, an error) while its full one has it is read at `/metrics` from then on.
     """
