@@ -26,6 +26,7 @@ MODULE_KNOBS = {
     "admit_after_output": "proxy.loadview.ADMIT_AFTER_OUTPUT",
     "admit_after_head": "proxy.loadview.ADMIT_AFTER_HEAD",
     "admit_above_kv": "proxy.loadview.ADMIT_AFTER_OUTPUT_ABOVE_KV",
+    "admit_prefill": "proxy.loadview.ADMIT_AFTER_OUTPUT_PREFILL_TOKENS",
     "report_interval": "proxy.protocol.REPORT_INTERVAL_S",  # what the proxy asks of a small fleet (report_interval_for)
     # kv_cost (the time-unit model) and the estimator behind it
     "resolution": "proxy.routing.kv_cost.RESOLUTION_S",

@@ -39,10 +39,18 @@ DISPATCH_FORGET_AFTER_S = 5.0
 # it cut kv_pressure's TTFT p99 at 95% load by a third, README "The oracles") or by its response head
 # (`admit_after_head`, an ablation knob, off: the sim sends the head once its front end has handed the request to
 # the scheduler; vLLM CPU sent it before its /metrics counted the request), and only while its projected KV usage
-# is at least ADMIT_AFTER_OUTPUT_ABOVE_KV (`admit_above_kv`; 0: always). A newer report confirms too.
+# is at least ADMIT_AFTER_OUTPUT_ABOVE_KV (`admit_above_kv`) or the prompt tokens still to prefill of its requests
+# without output (prefill_backlog) are at least ADMIT_AFTER_OUTPUT_PREFILL_TOKENS (`admit_prefill`): below both, a
+# request sent now starts in the engine's next step, and holding it cannot start it sooner. A newer report
+# confirms too.
 ADMIT_AFTER_OUTPUT = True
 ADMIT_AFTER_HEAD = False
-ADMIT_AFTER_OUTPUT_ABOVE_KV = 0.0
+ADMIT_AFTER_OUTPUT_ABOVE_KV = 0.9
+# Half of vLLM's default token budget per step for an API server on an H100-class GPU (8192; the sim presets' too).
+# Same-run A/B against holding always (bench/results/2026-12-02-quality-closed-open95-admit-prefill-ab.md, 3 repeats):
+# TTFT p99 zipf_hot, lengths and bursts 4-17% lower, kv_pressure 3% higher (8192: 14-16% higher). Holding always
+# added +43..+81 ms to streams' p99 on the overhead bench, 8192 none, 2048 +16 ms (-overhead-admit-prefill-ab.md).
+ADMIT_AFTER_OUTPUT_PREFILL_TOKENS = 4096
 # KV size assumed for a worker that never said (LMDeploy /nodes/add without a report).
 DEFAULT_CAPACITY_TOKENS = 32768
 
@@ -263,7 +271,8 @@ class WorkerLoad:
         over = reading.num_waiting + self._pending_count - self.finished_since_reading
         if reading.num_waiting == 0:
             if (not unconfirmed or not (ADMIT_AFTER_OUTPUT or ADMIT_AFTER_HEAD) or not self._pending_unconfirmed
-                    or reading.kv_usage + self._pending_tokens / self._capacity < ADMIT_AFTER_OUTPUT_ABOVE_KV):
+                    or (reading.kv_usage + self._pending_tokens / self._capacity < ADMIT_AFTER_OUTPUT_ABOVE_KV
+                        and self.prefill_backlog < ADMIT_AFTER_OUTPUT_PREFILL_TOKENS)):
                 return 0
             return max(0, min(self._pending_unconfirmed, over))
         return max(0, over)

@@ -2,7 +2,8 @@
 
 Owns HTTP/1.1 on the client side: keep-alive and pipelining, request limits (413, 414, 431), read
 deadlines (408), 100-continue, back-pressure signals, and handing each request to the journey
-(/v1 completions) or, byte for byte, to the aiohttp control-plane app on an internal socket.
+(/v1 completions), answering a worker's own load report itself (reports.py), or handing the request, byte
+for byte, to the aiohttp control-plane app on an internal socket.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from proxy.dataplane.exchange import PASS, Exchange, Retryable
 from proxy.dataplane.identity import new_instance_id
 from proxy.dataplane.journey import Journey
 from proxy.dataplane.pool import Endpoint, UpstreamPool
+from proxy.dataplane.reports import answer_report, report_worker_id
 from proxy.dispatch import Dispatcher
 from proxy.errors import ProxyError, shutting_down
 from proxy.metrics import ProxyMetrics
@@ -144,6 +146,7 @@ class DataPlane:
         self.limits = proxy_cfg.limits
         self.max_body = proxy_cfg.max_body_bytes
         self.client_auth = client_auth
+        self.registry = registry
         self.pool = UpstreamPool(self.loop)
         self.journey = Journey(dispatcher, registry, metrics, self.pool, new_instance_id())
         self.internal = Endpoint.unix(internal_socket)
@@ -472,6 +475,13 @@ class ClientConnection(asyncio.Protocol):
             self.response_done()
             return
         plane = self.plane
+        if req.kind is None and (worker_id := report_worker_id(req.method, req.url)) is not None:
+            answer = answer_report(plane.registry, worker_id, req.header(b"authorization"), req.body(),
+                                   self.keep_alive)
+            if answer is not None:  # a worker's own report, recorded: no hop to the control plane
+                self.write(answer)
+                self.response_done()
+                return
         coro = plane.journey.serve(self, req) if req.kind is not None else plane.passthrough(self, req)
         self.task = self.loop.create_task(coro)
 

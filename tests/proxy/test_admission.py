@@ -228,6 +228,8 @@ def test_with_admit_after_output_requests_sent_since_the_report_hold_the_next_un
     from proxy import loadview
 
     monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT", True)
+    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT_ABOVE_KV", 0.0)  # at any KV use and prompt length
+    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT_PREFILL_TOKENS", 0)
 
     async def scenario():
         clock, registry, admission, _ = setup({"a": None, "b": None}, queue={"max_length": 8, "max_wait_s": 3600})

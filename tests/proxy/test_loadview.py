@@ -130,13 +130,15 @@ def test_a_snapshot_shows_the_views_of_its_moment_and_is_renewed_by_every_event(
 def test_an_engine_that_reported_no_queue_admits_once_what_was_sent_since_has_output(monkeypatch):
     from proxy import loadview
 
+    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT_ABOVE_KV", 0.0)  # whatever the KV use ...
+    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT_PREFILL_TOKENS", 0)  # ... and the prompts to prefill
     load = WorkerLoad(capacity_tokens=10_000)
     load.record_reading(EngineReading(0.5, 4, 0), now=100.0, source="report")
     first = load.start_request(1000, now=100.01, prefill_tokens=900)
     second = load.start_request(1000, now=100.02, prefill_tokens=900)
     monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT", False)  # the previous default: nothing waited at the report
     assert load.admits() and load.engine_backlog(100.03) == 0
-    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT", True)  # the default
+    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT", True)
     assert not load.admits() and load.engine_backlog(100.03) == 2 == load.snapshot(100.03).backlog
     assert load.snapshot(100.03).queued == 0  # what surely waits (kv_cost's queueing time): nothing reported
     whole = load.start_request(1000, now=100.035, prefill_tokens=900, streamed=False)  # output only at its end
@@ -150,13 +152,21 @@ def test_an_engine_that_reported_no_queue_admits_once_what_was_sent_since_has_ou
     # a report that shows the engine's queue empty after the dispatch became visible clears it
     load.record_reading(EngineReading(0.6, 5, 0), now=100.06 + DISPATCH_VISIBLE_AFTER_S + 0.01, source="report")
     assert load.admits() and third.pending is False
-    # only while the engine's KV is this full: below it, an engine that reported no queue takes what it gets
+    # only while the engine's KV is this full or its prompts to prefill this many: below both, an engine that
+    # reported no queue takes what it gets
     load.start_request(1000, now=101.0, prefill_tokens=900)
     assert not load.admits()
     monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT_ABOVE_KV", 0.8)  # projected usage 0.6 + 1000 / 10000
+    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT_PREFILL_TOKENS", 4000)  # prompts to prefill: 900 x 3
+    assert load.prefill_backlog == 2700
     assert load.admits() and load.engine_backlog(101.01) == 0
     load.start_request(1500, now=101.02, prefill_tokens=900)  # 0.85
     assert not load.admits() and load.engine_backlog(101.03) == 2
+    # or while the prompts it has not prefilled yet would fill more than a step: one sent now would wait behind them
+    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT_ABOVE_KV", 0.9)
+    assert load.admits()
+    load.start_request(100, now=101.04, prefill_tokens=400)  # 3600 + 400 to prefill
+    assert not load.admits() and load.engine_backlog(101.05) == 3
 
 
 def test_with_admit_after_head_the_engines_answer_head_confirms_it_took_the_request_in(monkeypatch):
@@ -164,6 +174,7 @@ def test_with_admit_after_head_the_engines_answer_head_confirms_it_took_the_requ
 
     monkeypatch.setattr(loadview, "ADMIT_AFTER_HEAD", True)
     monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT", False)
+    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT_PREFILL_TOKENS", 0)  # whatever is left to prefill
     load = WorkerLoad(capacity_tokens=10_000)
     load.record_reading(EngineReading(0.5, 4, 0), now=100.0, source="report")
     first = load.start_request(1000, now=100.01, prefill_tokens=900)
@@ -177,3 +188,23 @@ def test_with_admit_after_head_the_engines_answer_head_confirms_it_took_the_requ
     third = load.start_request(1000, now=100.06, prefill_tokens=900)
     load.upstream_head(third)  # without the knob a head confirms nothing, and nothing waits for one
     assert third.unconfirmed and load.admits()
+
+
+def test_by_default_an_engine_with_kv_room_and_little_to_prefill_takes_what_it_gets_at_once():
+    """Holding a request for an engine that will start it in its next step cannot start it sooner."""
+    from proxy import loadview
+
+    assert loadview.ADMIT_AFTER_OUTPUT and loadview.ADMIT_AFTER_OUTPUT_ABOVE_KV == 0.9
+    assert loadview.ADMIT_AFTER_OUTPUT_PREFILL_TOKENS == 4096
+    load = WorkerLoad(capacity_tokens=100_000)
+    load.record_reading(EngineReading(0.3, 16, 0), now=100.0, source="report")
+    for i in range(16):  # short prompts, nothing output yet: all of them fit the engine's next step
+        load.start_request(300, now=100.001 + i / 1000, prefill_tokens=200)
+    assert load.admits() and load.engine_backlog(100.02) == 0
+    load.start_request(4000, now=100.02, prefill_tokens=1000)  # 4200 tokens to prefill: more than a step takes
+    assert not load.admits() and load.engine_backlog(100.03) == 17
+    fresh = WorkerLoad(capacity_tokens=100_000)  # an engine near its KV size holds even short prompts
+    fresh.record_reading(EngineReading(0.89, 16, 0), now=100.0, source="report")
+    fresh.start_request(500, now=100.01, prefill_tokens=100)
+    fresh.start_request(600, now=100.01, prefill_tokens=100)
+    assert not fresh.admits() and fresh.engine_backlog(100.02) == 2
