@@ -34,6 +34,8 @@ class Load:
     # the engine's recent speed, when the adapter can measure it (wall-clock seconds; None: unknown)
     prefill_tokens_per_s: float | None = None
     decode_step_s: float | None = None
+    # the engine's token budget per scheduler step (vLLM --max-num-batched-tokens), when the adapter knows it
+    max_num_batched_tokens: int | None = None
 
 
 LoadSource = Callable[[], Awaitable[Load]]
@@ -147,6 +149,7 @@ class ProxyReporter:
             num_running=load.num_running, num_waiting=load.num_waiting,
             prefix_cache_hit_rate=min(max(load.prefix_cache_hit_rate, 0.0), 1.0),
             prefill_tokens_per_s=load.prefill_tokens_per_s or None, decode_step_s=load.decode_step_s or None,
+            max_num_batched_tokens=load.max_num_batched_tokens or None,
             seq=self._seq, sent_at=time.time(), boot_id=self.registration.boot_id,
         )
         async with self._session.post(f"{self.proxy_url}/workers/{self.worker_id}/report",

@@ -46,11 +46,13 @@ DISPATCH_FORGET_AFTER_S = 5.0
 ADMIT_AFTER_OUTPUT = True
 ADMIT_AFTER_HEAD = False
 ADMIT_AFTER_OUTPUT_ABOVE_KV = 0.9
-# Half of vLLM's default token budget per step for an API server on an H100-class GPU (8192; the sim presets' too).
+# Half of vLLM's default token budget per step for an API server on an H100-class GPU (STEP_TOKENS_ASSUMED, the sim
+# presets' too); scaled by the engine's own budget where its worker reports one (LoadReport.max_num_batched_tokens).
 # Same-run A/B against holding always (bench/results/2026-12-02-quality-closed-open95-admit-prefill-ab.md, 3 repeats):
 # TTFT p99 zipf_hot, lengths and bursts 4-17% lower, kv_pressure 3% higher (8192: 14-16% higher). Holding always
 # added +43..+81 ms to streams' p99 on the overhead bench, 8192 none, 2048 +16 ms (-overhead-admit-prefill-ab.md).
 ADMIT_AFTER_OUTPUT_PREFILL_TOKENS = 4096
+STEP_TOKENS_ASSUMED = 8192
 # KV size assumed for a worker that never said (LMDeploy /nodes/add without a report).
 DEFAULT_CAPACITY_TOKENS = 32768
 
@@ -86,7 +88,7 @@ class WorkerLoad:
     __slots__ = ("_capacity", "reading", "reading_at", "reading_source", "_pending", "_pending_tokens",
                  "_pending_count", "_pending_prefill", "in_flight", "in_flight_tokens", "dispatched_total",
                  "finished_since_reading", "version", "_snapshot", "_snapshot_version", "watchers",
-                 "prefill_backlog", "_pending_unconfirmed")
+                 "prefill_backlog", "_pending_unconfirmed", "step_tokens")
 
     def __init__(self, capacity_tokens: int | None = None) -> None:
         self._capacity = capacity_tokens or DEFAULT_CAPACITY_TOKENS
@@ -111,6 +113,8 @@ class WorkerLoad:
         # prompt tokens to prefill of the requests in flight here that have not produced output yet: the proxy's
         # own exact count (no report lag) of the prefill work a request sent now would queue behind
         self.prefill_backlog = 0
+        # the engine's token budget per scheduler step, when its worker says (None: STEP_TOKENS_ASSUMED)
+        self.step_tokens: int | None = None
         # called as watcher.load_changed(self) after each event that changes the views below
         self.watchers: tuple[LoadWatcher, ...] = ()
 
@@ -252,7 +256,8 @@ class WorkerLoad:
         waiter). A worker without a reading is assumed to admit. With ADMIT_AFTER_OUTPUT (or _HEAD),
         a worker that reported none waiting holds the requests sent since that have no output (or no
         response head) yet, at most as many as were sent since and not balanced by finished ones, while
-        its projected KV usage is at least ADMIT_AFTER_OUTPUT_ABOVE_KV: it may not have taken them in.
+        its projected KV usage is at least ADMIT_AFTER_OUTPUT_ABOVE_KV or the prompt tokens it has yet to prefill at
+        least admit_prefill_tokens(): it may not have taken them in.
         """
         reading = self.reading
         if reading is None or (reading.num_waiting == 0 and not (
@@ -272,10 +277,15 @@ class WorkerLoad:
         if reading.num_waiting == 0:
             if (not unconfirmed or not (ADMIT_AFTER_OUTPUT or ADMIT_AFTER_HEAD) or not self._pending_unconfirmed
                     or (reading.kv_usage + self._pending_tokens / self._capacity < ADMIT_AFTER_OUTPUT_ABOVE_KV
-                        and self.prefill_backlog < ADMIT_AFTER_OUTPUT_PREFILL_TOKENS)):
+                        and self.prefill_backlog < self.admit_prefill_tokens())):
                 return 0
             return max(0, min(self._pending_unconfirmed, over))
         return max(0, over)
+
+    def admit_prefill_tokens(self) -> float:
+        """Prompt tokens still to prefill above which requests without output may be waiting (see engine_backlog)."""
+        step = self.step_tokens
+        return ADMIT_AFTER_OUTPUT_PREFILL_TOKENS * (step / STEP_TOKENS_ASSUMED if step else 1.0)
 
     def usage_and_queue(self) -> tuple[float, int]:
         """(projected_kv_usage, queue_depth) as of the last event, without forgetting (see forget_before)."""

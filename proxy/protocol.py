@@ -93,6 +93,9 @@ class LoadReport(BaseModel):
     # recent prompt tokens prefilled per second of prefill work, and the recent decode step time.
     prefill_tokens_per_s: float | None = Field(None, gt=0)
     decode_step_s: float | None = Field(None, gt=0)
+    # The engine's token budget per scheduler step (vLLM --max-num-batched-tokens, LMDeploy
+    # --max-prefill-token-num) when the worker knows it; admission scales its prefill threshold by it.
+    max_num_batched_tokens: int | None = Field(None, ge=1)
     seq: int = Field(..., ge=0, description="monotonic per worker; older reports are ignored")
     boot_id: str | None = Field(None, max_length=64, description="the registration's boot_id; seq counts within it")
     sent_at: float = Field(default_factory=time.time, description="unix seconds at the worker")

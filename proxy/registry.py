@@ -128,7 +128,7 @@ class Worker:
             "in_flight": load.in_flight, "dispatched_total": load.dispatched_total,
             "kv_capacity_tokens": load.capacity_tokens, "max_model_len": self.max_model_len,
             "projected_kv_usage": round(load.projected_kv_usage(now), 4), "queue_depth": load.queue_depth(now),
-            "prefill_backlog_tokens": load.prefill_backlog,
+            "prefill_backlog_tokens": load.prefill_backlog, "step_tokens": load.step_tokens,
             "reading_source": load.reading_source, "reading_age_s": age,
             "last_report": self.last_report.model_dump(mode="json") if self.last_report else None,
             "breaker_open": self.breaker.is_open(now), "stalled": self.stalled_at is not None,
@@ -259,6 +259,8 @@ class Registry:
         worker.reported_state = report.state
         worker.stalled_at = None  # a fresh report: it is running again
         worker.probe_failed = False
+        if report.max_num_batched_tokens:
+            worker.load.step_tokens = report.max_num_batched_tokens
         worker.load.record_reading(EngineReading(report.kv_cache_usage, report.num_running, report.num_waiting,
                                                  report.kv_capacity_tokens or None, report.prefix_cache_hit_rate),
                                    self.clock(), "report")

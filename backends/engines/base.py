@@ -32,6 +32,22 @@ class EngineLaunch:
         """True when the user already passed one of these flags (as `--flag v` or `--flag=v`)."""
         return any(a == n or a.startswith(n + "=") for a in self.engine_args for n in names)
 
+    def arg_value(self, name: str) -> str | None:
+        """The value the user gave a flag (`--flag v` or `--flag=v`; the last one wins), else None."""
+        value = None
+        args = self.engine_args
+        for i, arg in enumerate(args):
+            if arg == name and i + 1 < len(args):
+                value = args[i + 1]
+            elif arg.startswith(name + "="):
+                value = arg.split("=", 1)[1]
+        return value
+
+    def int_arg(self, name: str) -> int | None:
+        """arg_value() as a positive int, else None."""
+        value = self.arg_value(name)
+        return int(value) if value is not None and value.strip().isdigit() and int(value) > 0 else None
+
 
 class EngineAdapter(Protocol):
     """One engine family (vLLM, LMDeploy). Instances hold per-worker reading state."""

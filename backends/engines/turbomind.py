@@ -47,15 +47,6 @@ METRIC_NAMES = (KV_USAGE, RUNNING, WAITING, PREFIX_HIT_RATE, FIRST_TOKENS, FINIS
 FALLBACK_MARKER = "Fallback to pytorch engine"
 
 
-def _arg_value(args: list[str], name: str) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def projected_load(metrics: promtext.Metrics) -> Load:
     """The 4 Hz load estimate described in the module docstring."""
     gauge_usage = promtext.kv_usage(metrics, [KV_USAGE]) or 0.0
@@ -77,6 +68,7 @@ class TurbomindAdapter:
     def __init__(self) -> None:
         self._engine = "turbomind"
         self._metrics = MetricsReader(METRIC_NAMES, probe=RUNNING)
+        self._step_tokens: int | None = None  # --max-prefill-token-num, when given
 
     @property
     def running_engine(self) -> str:
@@ -84,7 +76,8 @@ class TurbomindAdapter:
 
     def command(self, launch: EngineLaunch) -> list[str]:
         cmd = ["lmdeploy", "serve", "api_server", launch.model]
-        backend = _arg_value(launch.engine_args, "--backend")
+        backend = launch.arg_value("--backend")
+        self._step_tokens = launch.int_arg("--max-prefill-token-num")
         if backend is None:
             cmd += ["--backend", "turbomind"]
         elif backend == "pytorch":
@@ -109,4 +102,6 @@ class TurbomindAdapter:
         return None  # LMDeploy's api_server has no such count: drain falls back to running + waiting
 
     async def read_load(self, session: aiohttp.ClientSession, base_url: str) -> Load:
-        return projected_load(promtext.parse(await self._metrics.read(session, base_url), names=METRIC_NAMES))
+        load = projected_load(promtext.parse(await self._metrics.read(session, base_url), names=METRIC_NAMES))
+        load.max_num_batched_tokens = self._step_tokens
+        return load

@@ -71,6 +71,7 @@ class VllmAdapter:
         self._prefix = PrefixHitRate()
         self._speed = VllmSpeed()
         self._metrics = MetricsReader(METRIC_NAMES, probe=RUNNING)
+        self._step_tokens: int | None = None  # --max-num-batched-tokens, when given (vLLM's default varies)
 
     @property
     def running_engine(self) -> str:
@@ -80,6 +81,7 @@ class VllmAdapter:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", launch.model, "--served-model-name", launch.served_model_name,
                "--host", launch.host, "--port", str(launch.port)]
+        self._step_tokens = launch.int_arg("--max-num-batched-tokens")
         if launch.gpus and not launch.has_arg("--tensor-parallel-size", "-tp"):
             cmd += ["--tensor-parallel-size", str(len(launch.gpus))]
         if not launch.has_arg("--disable-access-log-for-endpoints", "--disable-uvicorn-access-log"):
@@ -119,6 +121,7 @@ class VllmAdapter:
             kv_capacity_tokens=promtext.kv_capacity_tokens(metrics, CACHE_CONFIG),
             prefill_tokens_per_s=self._speed.prefill_tokens_per_s,
             decode_step_s=self._speed.decode_step_s,
+            max_num_batched_tokens=self._step_tokens,
         )
 
     async def read_load(self, session: aiohttp.ClientSession, base_url: str) -> Load:

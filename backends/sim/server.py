@@ -253,7 +253,8 @@ class SimServer:
                     num_waiting=len(sched.waiting), prefix_cache_hit_rate=sched.recent_prefix_hit_rate,
                     kv_capacity_tokens=self.engine.kv.num_blocks * self.engine.kv.block_size,
                     prefill_tokens_per_s=prefill_rate * scale if prefill_rate else None,
-                    decode_step_s=decode_step / scale if decode_step else None)
+                    decode_step_s=decode_step / scale if decode_step else None,
+                    max_num_batched_tokens=sched.max_num_batched_tokens)
 
 
 def build_preset(args: argparse.Namespace) -> Preset:

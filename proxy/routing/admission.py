@@ -28,7 +28,11 @@ report every 0.05 s in a small fleet (protocol.report_interval_for). Against the
 the next report, at 4 Hz) this cut kv_pressure's TTFT p99 at 95% load from 774 to 496 ms (0 preemptions
 instead of 20), zipf_hot's from 222 to 212 and bursts' from 230 to 196 (README "The oracles": the bench's
 oracle, binding late on each engine's true state, showed this rule was the gap;
-bench/results/2026-12-02-quality-open95-admit-after-output-fast-reports-ab.md).
+bench/results/2026-12-02-quality-open95-admit-after-output-fast-reports-ab.md). It does so only while that
+engine's projected KV usage is at least 0.9 or the prompt tokens it has yet to prefill (its requests without
+output) are at least 4096 (half an 8192-token step, scaled by the step budget a worker reports): below both, a
+request sent now joins the engine's next step, and holding it cannot start it sooner. Holding always had added
+43-81 ms to streams' p99 where engines had room (bench/results/2026-12-02-overhead-admit-prefill-ab.md).
 
 Candidates come from proxy/routing/candidates.py's rosters (ready workers of the model that fit the
 request's context, kept up to date by load events, with a count of engines that admit at once), so a

@@ -81,6 +81,16 @@ def test_vllm_load_reads_usage_queue_capacity_and_interval_hit_rate():
     assert adapter.load_from_metrics(later).prefix_cache_hit_rate == 0.9  # no new queries: rate held
 
 
+def test_adapters_report_the_step_token_budget_the_user_gave_their_engine():
+    vllm = VllmAdapter()
+    assert vllm.load_from_metrics(VLLM_METRICS_TEXT).max_num_batched_tokens is None  # vLLM's default: not guessed
+    vllm.command(launch(engine_args=["--max-num-batched-tokens", "1024", "--max-num-batched-tokens=2048"]))
+    assert vllm.load_from_metrics(VLLM_METRICS_TEXT).max_num_batched_tokens == 2048  # the last one wins, as in argparse
+    vllm.command(launch(engine_args=["--max-num-batched-tokens", "lots"]))
+    assert vllm.load_from_metrics(VLLM_METRICS_TEXT).max_num_batched_tokens is None
+    assert launch(engine_args=["--max-prefill-token-num", "4096"]).int_arg("--max-prefill-token-num") == 4096
+
+
 def test_parser_ignores_similar_prefixes_and_sums_data_parallel_engines():
     text = VLLM_METRICS_TEXT + 'vllm:num_requests_running{engine="1",model_name="tiny"} 5.0\n'
     metrics = promtext.parse(text, names=VLLM_METRICS)

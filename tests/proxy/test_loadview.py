@@ -203,6 +203,14 @@ def test_by_default_an_engine_with_kv_room_and_little_to_prefill_takes_what_it_g
     assert load.admits() and load.engine_backlog(100.02) == 0
     load.start_request(4000, now=100.02, prefill_tokens=1000)  # 4200 tokens to prefill: more than a step takes
     assert not load.admits() and load.engine_backlog(100.03) == 17
+    small = WorkerLoad(capacity_tokens=100_000)  # an engine whose worker says its step takes 2048 tokens: 1024
+    small.step_tokens = 2048
+    small.record_reading(EngineReading(0.3, 16, 0), now=100.0, source="report")
+    for i in range(5):
+        small.start_request(300, now=100.001 + i / 1000, prefill_tokens=200)
+    assert small.admits()
+    small.start_request(300, now=100.01, prefill_tokens=100)  # 1100 tokens to prefill
+    assert not small.admits() and small.engine_backlog(100.02) == 6
     fresh = WorkerLoad(capacity_tokens=100_000)  # an engine near its KV size holds even short prompts
     fresh.record_reading(EngineReading(0.89, 16, 0), now=100.0, source="report")
     fresh.start_request(500, now=100.01, prefill_tokens=100)

@@ -133,6 +133,7 @@ def test_a_real_sim_worker_reports_through_the_fast_path(fleet):
     later = wait_until(lambda: (lambda s: s if s >= first + 5 else None)(fleet.worker("sim-0")["last_report"]["seq"]),
                        10, 0.05, "five more reports")
     assert later >= first + 5
+    assert fleet.worker("sim-0")["step_tokens"] == 2048  # the cpu-tiny preset's budget per step, as it reported
     with httpx.Client(timeout=30) as client:
         resp = client.post(fleet.url + "/v1/chat/completions", json={
             "model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
