@@ -10,7 +10,6 @@ stay the control plane's (proxy/api/control.py).
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 
 import orjson
@@ -20,6 +19,7 @@ from proxy import protocol
 from proxy.dataplane import http
 from proxy.protocol import LoadReport
 from proxy.registry import Registry
+from proxy.security.controlauth import presented_token, secret_hash
 
 _PREFIX, _SUFFIX = b"/workers/", b"/report"
 
@@ -37,22 +37,16 @@ def report_worker_id(method: bytes, url: bytes) -> str | None:
         return None
 
 
-def _bearer(authorization: bytes | None) -> bytes | None:
-    if authorization is None:
-        return None
-    scheme, _, token = authorization.strip().partition(b" ")
-    token = token.strip()
-    return token if scheme.lower() == b"bearer" and token else None
-
-
 def answer_report(registry: Registry, worker_id: str, authorization: bytes | None, body: bytes,
                   keep_alive: bool) -> bytes | None:
     """The whole response to a worker's own valid report, once recorded; None to hand the request over."""
     worker = registry.get(worker_id)
-    token = _bearer(authorization)
+    # the control plane's own reading of the header (Bearer or Basic); ASCII secrets read the same either way,
+    # and a header that reads differently only misses the fast path
+    token = presented_token(authorization.decode("latin-1")) if authorization is not None else None
     if worker is None or token is None or not worker.secret_hash:
         return None
-    if not hmac.compare_digest(hashlib.sha256(token).hexdigest(), worker.secret_hash):
+    if not hmac.compare_digest(secret_hash(token), worker.secret_hash):
         return None
     try:
         report = LoadReport.model_validate_json(body)
