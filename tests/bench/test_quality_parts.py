@@ -214,3 +214,31 @@ def test_closed_loop_tail_after_the_first_wave_leaves_out_the_cold_start():
                                                                      "ttft_p99_warm": 0.5}]
     text = verdicts(aggregate(rows))[0][2]
     assert "TTFT p99 1600 ms" in text and "(after the first wave: p99 200 ms vs best peer's 500 ms)" in text
+
+
+def test_ttft_floor_prices_only_what_no_earlier_request_presented():
+    from bench.ttft_floor import closed_wave_floor_s, compare, family_floors, p99, request_floor_s
+
+    preset = get_preset("h100-qwen3-vl-8b")
+    ids = list(range(4000))
+    cold, warm = request_floor_s(preset, ids, [], 0), request_floor_s(preset, ids, [], 3840)
+    assert cold > 5 * warm > 0  # a cached 3840-token prefix leaves a one-block prefill
+    assert request_floor_s(preset, ids, [(0, 1000)], 0) > cold  # uncached image tokens cost the vision encoder
+    assert request_floor_s(preset, ids, [], 4000) == request_floor_s(preset, ids, [], 3999)  # the last token is computed
+    # sessions: each of the 8 system prompts is cold once; later turns prefill their new messages only
+    floors = family_floors("sessions", preset)
+    assert len(floors) == 1000 and sum(f > 0.030 for f in floors) == 8
+    assert p99(floors) < 0.030 < max(floors)
+    rows = [{"family": "sessions", "load": 0.5, "route": route, "ttft_p99": value}
+            for route, value in (("kvroute:default", 0.038), ("sglang-router:cache_aware", 0.048),
+                                 ("sglang-router:cache_aware", 0.050), ("oracle", 0.001))]
+    table = compare({"rows": rows}, {"sessions": 0.040})
+    assert table[-1] == "| sessions | 0.5 | 40 | 49 | 34 | 38 | no: below the floor |"  # the oracle is no peer
+    # a closed loop's first wave: 128 cold requests on 4 workers take longer than any one of them alone,
+    # half the workers take twice as long, and leaving more requests out of the bound lowers it
+    wave = closed_wave_floor_s("sessions", preset, 128, 4)
+    assert wave > max(floors) and closed_wave_floor_s("sessions", preset, 128, 2) == pytest.approx(2 * wave)
+    assert closed_wave_floor_s("sessions", preset, 128, 4, slower=40) < wave
+    closed_rows = [{**row, "load": "closed"} for row in rows]
+    assert compare({"rows": closed_rows}, {"sessions": 0.010}, {"sessions": 0.020})[-1].startswith(
+        "| sessions | closed | 20 | 49 | 34 | 38 | yes")

@@ -1,0 +1,172 @@
+"""The TTFT floor of a workload: what no router can beat on the sim, and where issue 9's 0.7x bar lies below it.
+
+Owns the per-request lower bound and its comparison with a quality result file; routers and engines are
+not involved (nothing is sent).
+
+For each request of a family's saved workload, in its nominal order, the floor is the time of the engine
+steps that prefill the part of its prompt that no earlier request presented (its leading full blocks seen
+before in any request count as cached, on whichever worker a router would have had to send it), with the
+sim's own tokenizer, block hashing and step-time model (backends/sim/tokens.py, kvcache.py, cost.py), in
+chunks of the preset's token budget per step and nothing else in those steps. A router only adds to it:
+a request can wait for a step to end, share its steps with other requests, find its prefix elsewhere or
+evicted. So the floor's p99 over a cell's 1000 requests is a lower bound for any route's TTFT p99 there
+(up to the order the requests reach the engines, which a loaded closed loop can change a little), and
+where 0.7 x the best peer's p99 lies below it, the bar cannot be met by any router.
+
+A closed loop's p99 is its first wave's (every client's first request onto a cold fleet at once, ~13% of a
+cell). Its floor: for 11 requests to reach their first token no sooner than t (the p99 of 1000 is the 990th),
+the fleet must have prefilled by t all but 10 of the wave, at least the wave's work without its 10 largest
+requests (each shared prefix counted once, for the first request presenting it), at no more than each
+worker's full-budget prefill rate (a step of max_num_batched_tokens new tokens; smaller steps are slower
+per token, and attention's quadratic part is left out).
+
+Run: python -m bench.ttft_floor [--result bench/results/<quality>.json] [--families ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from backends.sim.cost import StepWork, step_time_s
+from backends.sim.kvcache import block_hashes
+from backends.sim.presets import Preset, get_preset
+from backends.sim.tokens import chat_prompt
+from bench.workloads import KINDS, load_or_generate
+
+PRESET = "h100-qwen3-vl-8b"
+BAR = 0.7  # issue 9: kvroute's TTFT p99 at most this times the best peer's
+
+
+def request_floor_s(preset: Preset, prompt_ids: list[int], media_spans: list[tuple[int, int]],
+                    cached_tokens: int) -> float:
+    """Seconds of the steps that prefill tokens [cached_tokens, len) of one prompt, alone on the engine."""
+    total = len(prompt_ids)
+    start = min(cached_tokens, total - 1)  # the engine always computes the last token
+    budget = preset.max_num_batched_tokens
+    seconds = 0.0
+    while start < total:
+        num_new = min(total - start, budget)
+        image = sum(max(0, min(start + num_new, s + n) - max(start, s)) for s, n in media_spans)
+        seconds += step_time_s(preset, StepWork(
+            prefill_tokens=num_new, prefill_seqs=1, kv_tokens_read=start + num_new,
+            attention_pairs=num_new * start + num_new * (num_new + 1) // 2, image_tokens=image))
+        start += num_new
+    return seconds
+
+
+def family_floors(kind: str, preset: Preset, seed: int = 1, n: int = 1000) -> list[float]:
+    """Each request's floor (seconds), in the workload's nominal order."""
+    workload = load_or_generate(kind, seed, n)
+    seen: set[int] = set()
+    floors = []
+    bs = preset.block_size
+    for spec in workload.specs(1.0):
+        prompt = chat_prompt(spec.body["messages"])
+        hashes = block_hashes(prompt.token_ids, bs)
+        cached = 0
+        for h in hashes:
+            if h not in seen:
+                break
+            cached += 1
+        seen.update(hashes)
+        floors.append(request_floor_s(preset, prompt.token_ids, prompt.media_spans, cached * bs))
+    return floors
+
+
+def closed_wave_floor_s(kind: str, preset: Preset, clients: int, workers: int, seed: int = 1, n: int = 1000,
+                        slower: int = 10) -> float:
+    """Lower bound on a closed loop's TTFT p99 set by its first wave (see module docstring)."""
+    workload = load_or_generate(kind, seed, n)
+    seen: set[int] = set()
+    work = []
+    bs = preset.block_size
+    for spec in workload.specs(1.0):
+        if len(work) == clients:
+            break
+        if spec.after is not None:  # a session's next turn waits for the previous one: not in the wave
+            continue
+        prompt = chat_prompt(spec.body["messages"])
+        hashes = block_hashes(prompt.token_ids, bs)
+        fresh = [h for h in hashes if h not in seen]
+        seen.update(hashes)
+        work.append(len(prompt.token_ids) - (len(hashes) - len(fresh)) * bs)
+    needed = sum(sorted(work)[:max(0, len(work) - slower)])
+    budget = preset.max_num_batched_tokens
+    rate = budget / step_time_s(preset, StepWork(prefill_tokens=budget, prefill_seqs=1, kv_tokens_read=budget))
+    return needed / (workers * rate)
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def _cells(result: dict[str, Any]) -> dict[tuple[str, str], dict[str, list[float]]]:
+    cells: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for row in result["rows"]:
+        if row.get("ttft_p99") is None:
+            continue
+        cells.setdefault((row["family"], str(row["load"])), {}).setdefault(row["route"], []).append(row["ttft_p99"])
+    return cells
+
+
+def compare(result: dict[str, Any], floors: dict[str, float], closed: dict[str, float] | None = None) -> list[str]:
+    """Markdown rows: per cell, the floor's p99 (a closed loop's: the larger of it and its first wave's)
+    against 0.7 x the best peer's mean p99 and kvroute's."""
+    lines = ["| family | load | floor p99 ms | best peer p99 ms | 0.7 x best peer ms | kvroute default p99 ms "
+             "| bar reachable |", "|---|---|---|---|---|---|---|"]
+    for (family, load), routes in sorted(_cells(result).items()):
+        if family not in floors:
+            continue
+        peers = {r: sum(v) / len(v) for r, v in routes.items() if not r.startswith(("kvroute", "oracle"))}
+        if not peers:
+            continue
+        best = min(peers.values())
+        mine = routes.get("kvroute:default")
+        floor = floors[family]
+        if load == "closed" and closed and family in closed:
+            floor = max(floor, closed[family])
+        floor_ms, bar_ms = floor * 1e3, BAR * best * 1e3
+        kv = f"{sum(mine) / len(mine) * 1e3:.0f}" if mine else "-"
+        lines.append(f"| {family} | {load} | {floor_ms:.0f} | {best * 1e3:.0f} | {bar_ms:.0f} | {kv} | "
+                     f"{'yes' if bar_ms >= floor_ms else 'no: below the floor'} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.ttft_floor", description=__doc__.split("\n")[0])
+    parser.add_argument("--families", default=",".join(KINDS))
+    parser.add_argument("--result", type=Path, help="a `kvroute bench quality` JSON to compare with")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--clients-per-worker", type=int, default=32, help="the closed loop's (quality.py's)")
+    args = parser.parse_args(argv)
+    preset = get_preset(PRESET)
+    floors: dict[str, float] = {}
+    closed: dict[str, float] = {}
+    print("# TTFT floor: what no router can beat on the sim\n")
+    print("Command: `python -m bench.ttft_floor" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+          + "`. How it is computed: the module docstring of bench/ttft_floor.py. Nothing is run: the saved "
+          "workloads, the sim's tokenizer and step-time model only.\n")
+    print(f"Floor per family (preset {PRESET}, 1000 requests, seed 1; simulated ms; the closed loop's first wave "
+          f"with {args.workers} workers x {args.clients_per_worker} clients):\n")
+    print("| family | floor p50 | floor p99 | floor max | requests with floor > 30 ms | closed loop's first wave |")
+    print("|---|---|---|---|---|---|")
+    for kind in args.families.split(","):
+        values = family_floors(kind, preset)
+        floors[kind] = p99(values)
+        closed[kind] = closed_wave_floor_s(kind, preset, args.workers * args.clients_per_worker, args.workers)
+        print(f"| {kind} | {sorted(values)[len(values) // 2] * 1e3:.1f} | {floors[kind] * 1e3:.1f} | "
+              f"{max(values) * 1e3:.1f} | {sum(v > 0.030 for v in values)} | {closed[kind] * 1e3:.1f} |")
+    if args.result:
+        print(f"\nAgainst {args.result.name} (means over repeats):\n")
+        print("\n".join(compare(json.loads(args.result.read_text()), floors, closed)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
