@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
+from proxy import gctuning
 from proxy.api import control, openapi, ops
 from proxy.api import openai as openai_api
 from proxy.config import FleetConfig
@@ -193,6 +194,7 @@ async def serve(app: web.Application, host: str, port: int, data_plane: str | No
     /v1 completions on proxy/dataplane/, every other route on `app` behind it on an internal unix socket.
     """
     data_plane = data_plane or os.environ.get("KVROUTE_DATA_PLANE", "fast")
+    gctuning.tune_for_serving()
     if data_plane == "aiohttp":
         await _serve_aiohttp(app, host, port)
         return
