@@ -27,12 +27,12 @@ MODULE_KNOBS = {
     "admit_after_head": "proxy.loadview.ADMIT_AFTER_HEAD",
     "admit_above_kv": "proxy.loadview.ADMIT_AFTER_OUTPUT_ABOVE_KV",
     "admit_prefill": "proxy.loadview.ADMIT_AFTER_OUTPUT_PREFILL_TOKENS",
-    "report_interval": "proxy.protocol.REPORT_INTERVAL_S",
+    "report_interval": "proxy.protocol.REPORT_INTERVAL_S",  # what the proxy asks of a small fleet (report_interval_for)
     # the proxy process's garbage collector (proxy/gctuning.py): gc_freeze=False+gc_gen0=700 is CPython's default
     "gc_freeze": "proxy.gctuning.FREEZE_AT_START",
     "gc_gen0": "proxy.gctuning.GEN0_THRESHOLD",
     "gc_gen1": "proxy.gctuning.GEN1_THRESHOLD",
-    "gc_gen2": "proxy.gctuning.GEN2_THRESHOLD",  # what the proxy asks of a small fleet (report_interval_for)
+    "gc_gen2": "proxy.gctuning.GEN2_THRESHOLD",
     # kv_cost (the time-unit model) and the estimator behind it
     "resolution": "proxy.routing.kv_cost.RESOLUTION_S",
     "shortlist": "proxy.routing.kv_cost.SHORTLIST",
