@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from backends.sim.cost import StepWork, step_time_s
 from backends.sim.kvcache import block_hashes
 from backends.sim.presets import Preset, get_preset
 from backends.sim.tokens import chat_prompt
+from bench.loadgen import percentile
 from bench.workloads import KINDS, load_or_generate
 
 PRESET = "h100-qwen3-vl-8b"
@@ -102,8 +102,8 @@ def closed_wave_floor_s(kind: str, preset: Preset, clients: int, workers: int, s
 
 
 def p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+    """As the quality bench computes a cell's p99 (interpolated: at least the 990th of 1000)."""
+    return percentile(values, 99.0) or 0.0
 
 
 def _cells(result: dict[str, Any]) -> dict[tuple[str, str], dict[str, list[float]]]:
