@@ -3,6 +3,10 @@
 Owns the waiting and running queues and what each step computes: running requests first
 (decode or their next prefill chunk), then waiting ones while `max_num_seqs`,
 `max_num_batched_tokens` and free KV blocks allow; preemption by recompute when blocks run out.
+Prefix-cache counters as vLLM's (v1 PrefixCacheStats, 0.32): a request's first admission counts in
+prefix_queries/hit_tokens (vllm:prefix_cache_queries / _hits); the re-admission of a preempted one, which
+finds most of its own blocks still cached, counts apart (preempted_queries/hit_tokens), so a router whose
+engines preempt more does not show a higher hit rate for it.
 It does not keep time or talk HTTP (engine.py does); blocks are kvcache.py's.
 """
 
@@ -106,6 +110,8 @@ class Scheduler:
         self.preemption_log: deque[PreemptionRecord] = deque(maxlen=1000)
         self.prefix_queries_tokens = 0
         self.prefix_hit_tokens = 0
+        self.preempted_queries_tokens = 0  # re-admissions after preemption (not in the two above, as vLLM)
+        self.preempted_hit_tokens = 0
         self.recent_prefix: deque[tuple[int, int]] = deque(maxlen=256)  # (queries, hits) per admission
         self.num_finished = 0
         self.num_generated_tokens = 0
@@ -189,9 +195,12 @@ class Scheduler:
                 request.num_computed_tokens = num_cached
                 if request.num_preemptions == 0:
                     request.num_cached_tokens = num_cached
-                self.prefix_queries_tokens += request.num_tokens
-                self.prefix_hit_tokens += num_cached
-                self.recent_prefix.append((request.num_tokens, num_cached))
+                    self.prefix_queries_tokens += request.num_tokens
+                    self.prefix_hit_tokens += num_cached
+                    self.recent_prefix.append((request.num_tokens, num_cached))
+                else:
+                    self.preempted_queries_tokens += request.num_tokens
+                    self.preempted_hit_tokens += num_cached
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 scheduled.append((request, num_new))

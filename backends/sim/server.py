@@ -138,6 +138,8 @@ class SimServer:
             "num_preemptions": sched.num_preemptions, "num_finished": sched.num_finished,
             "generated_tokens": sched.num_generated_tokens,
             "prefix_cache_queries": sched.prefix_queries_tokens, "prefix_cache_hits": sched.prefix_hit_tokens,
+            "preempted_prefix_cache_queries": sched.preempted_queries_tokens,
+            "preempted_prefix_cache_hits": sched.preempted_hit_tokens,
             "prefix_cache_hit_rate": sched.recent_prefix_hit_rate, "in_flight": self.in_flight,
             "requests_received": self.requests_received, "draining": self.draining, "stalled": self.engine.stalled,
         }

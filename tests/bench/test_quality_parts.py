@@ -101,6 +101,15 @@ def test_verdict_names_each_missed_criterion_and_the_markdown_comes_from_the_row
     assert "NOT MEANINGFUL" in md and "1100 (1000-1200)" in md  # mean (min-max) over the two repeats
 
 
+def test_a_hit_rate_miss_is_told_to_two_decimals_with_the_prefill_work_behind_it():
+    mine, peer = _row("kvroute:default", 0.1, "0.8", hit=0.6447), _row("sglang-router:cache_aware", 1.0, "0.8", hit=0.6481)
+    mine["prefill_tokens"], peer["prefill_tokens"] = 846_000, 839_600
+    text = verdicts(aggregate([mine, peer]))[0][2]
+    assert text == ("prefix hit 64.47% < 64.81% (sglang-router:cache_aware; +6.4k prefilled tokens per run, +0.8%)")
+    mine["prefix_hit"] = 0.6481  # equal is no miss
+    assert verdicts(aggregate([mine, peer]))[0][2] == "meets the bar"
+
+
 def test_the_kv_aware_oracle_scores_kvroutes_cost_on_the_true_state():
     holder = _probe(cached_tokens=3984, free_blocks=1500)
     assert kv_aware_cost(holder, 3984, []) < kv_aware_cost(_probe(), 0, [])  # the prefix's holder, lightly loaded

@@ -113,7 +113,7 @@ async def test_metrics_agree_with_engine_state_at_every_step():
     engine = server.engine
     rng = random.Random(7)
     for i in range(12):
-        prompt = chat_prompt([{"role": "user", "content": words(rng.randint(20, 200), seed=i % 5)}])
+        prompt = chat_prompt([{"role": "user", "content": words(rng.randint(20, 200), seed=i % 2)}])
         engine.submit(SimRequest(f"r{i}", prompt, rng.randint(1, 300)))
     steps = 0
     while engine.scheduler.has_work():

@@ -92,6 +92,21 @@ def test_tight_cache_preempts_by_recompute_and_still_finishes():
     assert any(r.num_preemptions > 0 for r in requests)
 
 
+def test_a_preempted_requests_readmission_is_counted_apart_from_the_prefix_cache_queries_as_vllm_does():
+    # the counters behind the benches' prefix hit rate: only first admissions, as vLLM's PrefixCacheStats (a
+    # re-admission may find its own blocks still cached: counted in, it would lift the preempting route's hit rate)
+    kv = KVCache(num_blocks=8, block_size=16)
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=256)
+    requests = [SimRequest(f"r{i}", Prompt([i] * 16), 100) for i in range(4)]
+    for r in requests:
+        scheduler.add(r)
+    _run(scheduler, [], random.Random(0))
+    assert scheduler.num_preemptions > 0
+    assert scheduler.prefix_queries_tokens == 4 * 16  # each prompt once, however often it was preempted
+    assert scheduler.prefix_hit_tokens == 0  # four distinct prompts: nothing to hit at first admission
+    assert scheduler.preempted_queries_tokens > 4 * 16  # re-admissions query their prompt and output so far
+
+
 def test_running_requests_decode_before_waiting_ones_prefill_and_long_prompts_are_chunked():
     kv = KVCache(num_blocks=64, block_size=16)
     scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
