@@ -114,14 +114,21 @@ def _registered_workers(proxy_url: str) -> int:
 
 def kvroute_command(policy_spec: str, port: int, log_dir: Path) -> tuple[str, list[str]]:
     """(policy, argv) for `kvroute proxy`. A spec "kv_aware@prefix_weight=0+hw=1.0" runs a variant
-    through bench/ablate.py: module knobs are patched in-process, config knobs go in a YAML file."""
+    through bench/ablate.py: module knobs are patched in-process, config knobs go in a YAML file.
+    The knob `tree=PATH` runs the proxy (and bench/ablate.py) from another source tree, a checkout or
+    `git worktree` of this repository: two trees side by side on one fleet in one run."""
     from bench.ablate import CONFIG_KNOBS, MODULE_KNOBS
 
     policy, _, knobs = policy_spec.partition("@")
     patches, proxy_cfg = [], {}
+    tree: str | None = None
     for item in filter(None, knobs.split("+")):
         key, _, value = item.partition("=")
-        if key in MODULE_KNOBS:
+        if key == "tree":
+            if not (Path(value) / "proxy" / "cli.py").is_file():
+                raise ValueError(f"tree={value!r} in {policy_spec!r} is not a kvroute source tree (no proxy/cli.py)")
+            tree = str(Path(value).resolve())
+        elif key in MODULE_KNOBS:
             patches.append(f"{MODULE_KNOBS[key]}={value}")
         elif key in CONFIG_KNOBS:
             node = proxy_cfg
@@ -139,15 +146,21 @@ def kvroute_command(policy_spec: str, port: int, log_dir: Path) -> tuple[str, li
         cfg.parent.mkdir(parents=True, exist_ok=True)
         cfg.write_text(json.dumps({"proxy": proxy_cfg}))  # JSON is YAML
         args += ["--config", str(cfg)]
+    module, argv = ("bench.ablate", [*patches, "--", *args]) if patches else ("proxy.cli", args)
+    if tree is not None:
+        # the tree's modules ahead of this one's (sys.path[0] is the working directory, this repository)
+        code = (f"import runpy, sys; sys.path.insert(0, {tree!r}); "
+                f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+        return policy, [sys.executable, "-c", code, *argv]
     if patches:
-        return policy, [sys.executable, "-m", "bench.ablate", *patches, "--", *args]
-    return policy, [*KVROUTE, *args]
+        return policy, [sys.executable, "-m", module, *argv]
+    return policy, [*KVROUTE, *argv]
 
 
 def start_kvroute(fleet: Fleet, policy: str, timeout: float = 60.0) -> RunningRouter:
     """Start `kvroute proxy` on the fleet's proxy port and wait until every worker has registered."""
     url = fleet.proxy_url
-    safe = policy.replace("@", "-").replace("+", "-").replace("=", "")
+    safe = policy.replace("@", "-").replace("+", "-").replace("=", "").replace("/", "_")
     log_path = fleet.log_dir / f"kvroute-{safe}-{fleet.proxy_port}.log"
     _, args = kvroute_command(policy, fleet.proxy_port, fleet.log_dir)
     popen = spawn(args, log_path)
@@ -164,6 +177,12 @@ def start_kvroute(fleet: Fleet, policy: str, timeout: float = 60.0) -> RunningRo
         router.stop()
         raise
     return router
+
+
+def resolve_default(policy_spec: str) -> str:
+    """A kvroute route's policy spec with "default" (or nothing) before its knobs made default_policy()."""
+    name, at, knobs = policy_spec.partition("@")
+    return default_policy() + at + knobs if name in ("", "default") else policy_spec
 
 
 def default_policy() -> str:
@@ -209,7 +228,7 @@ def start_router(kind: str, policy: str, fleet: Fleet) -> RunningRouter:
     """kind 'kvroute' (policy 'default' = ProxyConfig's), 'oracle', 'bare-relay' or a peer name; peers get
     the worker URLs."""
     if kind == "kvroute":
-        return start_kvroute(fleet, default_policy() if policy in ("", "default") else policy)
+        return start_kvroute(fleet, resolve_default(policy))
     if kind == "oracle":
         return start_oracle(fleet, policy)
     if kind == BARE_RELAY:
