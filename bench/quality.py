@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.fleet import Fleet, SimWorkerSpec, default_policy, start_router
-from bench.loadgen import LoadGenerator, RunResult, percentile, summarize
+from bench.loadgen import LoadGenerator, RunResult, summarize
 from bench.report import environment_note, fmt, md_table, ms, plot_cdfs, results_path, write_json
+from bench.tails import cold_start, save_requests, ttft_p99_after_first_wave
 from bench.workloads import DEFAULT_REQUESTS, FAMILIES, KINDS, Workload, load_or_generate
 
 ROUTES = ("kvroute:default", "kvroute:kv_aware", "kvroute:round_robin", "oracle",
@@ -107,21 +108,14 @@ def run_cell(args: argparse.Namespace, w: Workload, route: str, load: str, rate_
     done = [r.sent_at * ts + r.latency_s for r in run.results if r.ok]
     if warm is not None:
         row["ttft_p99_warm"] = warm * ts
+    row.update(cold_start(w, run))
+    if args.save_requests:
+        save_requests(args.save_requests, w, route, load, salt, run)
     row.update(engine_deltas(before, after), route=route, load=load, router_cpu=router_cpu, oracle=oracle_stats,
                oracle_decision_p50_s=(oracle_stats or {}).get("p50_s"),
                makespan_s=max(done) if done else None,
                ttfts=[r.ttft_s for r in run.results if r.ok and r.ttft_s is not None])
     return row
-
-
-def ttft_p99_after_first_wave(run: RunResult) -> float | None:
-    """TTFT p99 of a closed loop without its first wave: the requests sent before any response had
-    finished (every client's first request, onto a cold fleet at once). In a 1000-request cell that wave
-    is ~13% of the requests, so the whole cell's p99 is the cold start's; this is the loop's steady tail."""
-    first_done = min((r.sent_at + r.latency_s for r in run.results if r.ok), default=None)
-    if first_done is None:
-        return None
-    return percentile([r.ttft_s for r in run.results if r.ok and r.ttft_s is not None and r.sent_at > first_done], 99)
 
 
 def _oracle_stats(url: str) -> dict[str, Any] | None:
@@ -169,7 +163,7 @@ def _calibrate_one(args: argparse.Namespace, w: Workload, route: str, log_dir: P
 # ---- aggregation and rendering (from the JSON alone) ------------------------------------------------
 METRICS = ("req_per_s", "makespan_s", "ttft_p50", "ttft_p99", "goodput_frac", "rejected_429", "rejected_503",
            "failed", "prefix_hit", "prefill_tokens", "preemptions", "engine_lag_s", "router_cpu", "oracle_decision_p50_s",
-           "ttft_p99_warm", "lat_p99")
+           "ttft_p99_warm", "lat_p99", "ttft_p99_seen", "cold_in_slowest_1pct", "cold_first_uses")
 
 
 def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -247,6 +241,11 @@ def verdicts(aggs: list[dict[str, Any]]) -> list[list[str]]:
         mwarm = _mean(mine, "ttft_p99_warm")
         if warm and mwarm is not None:
             misses.append(f"(after the first wave: p99 {mwarm * 1000:.0f} ms vs best peer's {min(warm) * 1000:.0f} ms)")
+        seen = [_mean(p, "ttft_p99_seen") for p in peers if _mean(p, "ttft_p99_seen") is not None]
+        mseen, mcold = _mean(mine, "ttft_p99_seen"), _mean(mine, "cold_in_slowest_1pct")
+        if seen and mseen is not None and mcold:
+            misses.append(f"({mcold:.1f} of kvroute's slowest 1% are cold first uses of a shared prefix; without "
+                          f"them p99 {mseen * 1000:.0f} ms vs best peer's {min(seen) * 1000:.0f} ms)")
         refused = (_mean(mine, "rejected_429") or 0) + (_mean(mine, "rejected_503") or 0)
         if refused > 0:
             misses.append(f"refused {refused:.1f} per run")
@@ -306,7 +305,11 @@ def render(data: dict[str, Any]) -> str:
                f"Prefix hit, prefilled tokens, preemptions and requests per worker are the engines' own counters "
                f"(/sim/state deltas). p99 after 1st wave (closed loop) = TTFT p99 of the requests sent after the "
                f"first response finished: the loop's steady tail, without every client's first request onto the cold "
-               f"fleet at once (~13% of a cell, so the cell's p99 is that cold start's). End-to-end p99 = p99 of "
+               f"fleet at once (~13% of a cell, so the cell's p99 is that cold start's). Cold first uses = the "
+               f"requests that were first to present their shared prefix (system prompt, or system prompt + image; "
+               f"each cell salts them, so it starts cold): they prefill it wherever they go; the columns give how "
+               f"many are among the cell's slowest 1% of TTFTs (what its p99 is made of) and the TTFT p99 of the "
+               f"other requests. End-to-end p99 = p99 of "
                f"the time from sending a request to its last byte (decode included). Router CPU = share of one core; engine lag = simulated seconds the busiest sim fell "
                f"behind the wall clock (CPU starvation; should be ~0). kvroute's default policy: "
                f"`{meta['default_policy']}`.\n")
@@ -330,12 +333,14 @@ def render(data: dict[str, Any]) -> str:
             rows.append([_load_name(a["load"]), label, a["repeats"],
                          _cell(a, "makespan_s", digits=1) if a["load"] == "closed" else _cell(a, "req_per_s", digits=2),
                          _cell(a, "ttft_p50", 1000), _cell(a, "ttft_p99", 1000), _cell(a, "ttft_p99_warm", 1000),
+                         _cell(a, "ttft_p99_seen", 1000), _cell(a, "cold_in_slowest_1pct", digits=1),
                          _cell(a, "lat_p99", 1000), _cell(a, "goodput_frac", 100, 0, "%"), f"{_cell(a, 'rejected_429')}/{_cell(a, 'rejected_503')}", _cell(a, "failed"),
                          _cell(a, "prefix_hit", 100, 0, "%"), _cell(a, "prefill_tokens", 1e-3, 0, "k"),
                          _cell(a, "preemptions"), "/".join(str(x) for x in a["per_worker"]),
                          _cell(a, "router_cpu", 100, 0, "%"), _cell(a, "engine_lag_s", digits=2)])
         out.append(md_table(["load", "route", "reps", "makespan s (closed) / req/s (open)", "TTFT p50 ms",
-                             "TTFT p99 ms", "p99 after 1st wave", "end-to-end p99 ms", "goodput", "429/503", "failed", "prefix hit", "prefilled",
+                             "TTFT p99 ms", "p99 after 1st wave", "p99 without cold first uses",
+                             "cold first uses in slowest 1%", "end-to-end p99 ms", "goodput", "429/503", "failed", "prefix hit", "prefilled",
                              "preempt", "requests per worker", "router CPU", "engine lag s"], rows))
         out.append("")
         for failure in data.get("failed_cells", []):
@@ -411,6 +416,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default bench/results/, or bench/.runs/quick-results/ for a quick run")
     p.add_argument("--name", default=None,
                    help="result file name after the date; default quality-matrix, plus -FAMILY,... for a subset")
+    p.add_argument("--save-requests", type=Path, default=None, metavar="FILE",
+                   help="append each request's tag, worker, TTFT and latency (JSON lines) to FILE")
     p.add_argument("--render", type=Path, default=None, help="only regenerate the markdown from this JSON file")
     p.add_argument("--headline", type=Path, default=None,
                    help="only print the README Performance snippet from this JSON file")

@@ -120,23 +120,30 @@ class Workload:
             return parts
         return content
 
+    def shared_prefix_key(self, i: int) -> tuple[str, int, int | None] | None:
+        """Request i's shared prefix: (model, system prompt, image or None), or None when it has none."""
+        body = self.requests[i]["body"]
+        msgs = body["messages"]
+        sys_k = msgs[0]["content"]["$system"] if isinstance(msgs[0]["content"], dict) else None
+        if sys_k is None:
+            return None
+        img = None
+        if len(msgs) > 1 and isinstance(msgs[1]["content"], list):
+            img = next((p["image_url"]["url"]["$image"] for p in msgs[1]["content"]
+                        if p.get("type") == "image_url"), None)
+        return body["model"], sys_k, img
+
     def shared_prefix_tokens(self) -> int:
         """Tokens of every distinct shared prefix (system prompt, or system prompt + image), by the sim's rules."""
         from backends.sim.tokens import count_text_tokens, image_tokens_for_size
 
         seen: set[tuple[int, int | None]] = set()
         total = 0
-        for r in self.requests:
-            msgs = r["body"]["messages"]
-            sys_k = msgs[0]["content"]["$system"] if isinstance(msgs[0]["content"], dict) else None
-            if sys_k is None:
+        for i in range(len(self.requests)):
+            key = self.shared_prefix_key(i)
+            if key is None or key[1:] in seen:
                 continue
-            img = None
-            if len(msgs) > 1 and isinstance(msgs[1]["content"], list):
-                img = next((p["image_url"]["url"]["$image"] for p in msgs[1]["content"]
-                            if p.get("type") == "image_url"), None)
-            if (sys_k, img) in seen:
-                continue
+            _, sys_k, img = key
             seen.add((sys_k, img))
             total += count_text_tokens(self.system_prompts[sys_k]) + 8
             if img is not None:

@@ -24,7 +24,8 @@ from bench.oracle_view import (
     owned_blocks,
     predict_ttft_s,
 )
-from bench.quality import QUICK_DIR, aggregate, is_quick, render, ttft_p99_after_first_wave, verdicts
+from bench.quality import QUICK_DIR, aggregate, is_quick, render, verdicts
+from bench.tails import cold_start, ttft_p99_after_first_wave
 from bench.workloads import KINDS, MODEL_B, generate, load_or_generate
 
 
@@ -251,3 +252,23 @@ def test_ttft_floor_prices_only_what_no_earlier_request_presented():
     closed_rows = [{**row, "load": "closed"} for row in rows]
     assert compare({"rows": closed_rows}, {"sessions": 0.010}, {"sessions": 0.020})[-1].startswith(
         "| sessions | closed | 20 | 49 | 34 | 38 | yes")
+
+
+def test_cold_first_uses_are_told_apart_from_the_tail_a_route_makes():
+    w = generate("sessions", 3, 300)  # 8 system prompts; every session's first turn presents one
+    firsts: dict = {}
+    for i in range(300):
+        firsts.setdefault(w.shared_prefix_key(i), i)
+    cold = set(firsts.values())
+    assert len(cold) == 8 and None not in firsts
+    # the slow requests are the cold first uses (and one warm request); the rest take 10-40 ms
+    results = [Result(i, "", 200, sent_at=w.requests[i]["t"], latency_s=1.0,
+                      ttft_s=0.2 if i in cold or i == 299 else 0.01 + (i % 31) / 1000) for i in range(300)]
+    stats = cold_start(w, RunResult(results, wall_s=30.0, started_at=0.0))
+    assert stats["cold_first_uses"] == 8
+    assert stats["cold_in_slowest_1pct"] == 3  # the slowest 3 of 300 are all 200 ms; the warm one is among 9
+    assert 0.03 < stats["ttft_p99_seen"] < 0.2  # 1 slow request in 292 is under the 1% the p99 cuts off
+    rows = [{**_row("kvroute:default", 0.2), "ttft_p99_seen": 0.04, "cold_in_slowest_1pct": 3},
+            {**_row("sglang-router:cache_aware", 0.2), "ttft_p99_seen": 0.06, "cold_in_slowest_1pct": 3}]
+    text = verdicts(aggregate(rows))[0][2]
+    assert "(3.0 of kvroute's slowest 1% are cold first uses of a shared prefix; without them p99 40 ms" in text
