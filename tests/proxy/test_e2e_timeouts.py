@@ -55,6 +55,7 @@ def test_a_worker_that_never_answers_costs_a_504_not_a_rerun_and_its_breaker_ope
         after = [fleet.chat(f"after{i}") for i in range(4)]
         assert [(r.status_code, r.headers["x-kvroute-worker"]) for r in after] == [(200, good.worker_id)] * 4
 
+
 def test_static_workers_from_the_config_are_scraped_and_served(fleet):
     sims = fleet.start_sims(2, register=False, prefix="static")
     config = "proxy:\n  static_workers:\n" + "".join(
