@@ -88,6 +88,8 @@ def run_cell(args: argparse.Namespace, w: Workload, route: str, load: str, rate_
         try:
             target: Any = direct_targets(fleet) if router is None else router.url
             specs = w.specs(rate_wall if load != "closed" else 1.0, salt=salt, limit=args.requests)
+            if args.warm:
+                asyncio.run(LoadGenerator(target).closed_loop(w.warm_up_specs(salt, args.requests), 1))
             before = fleet.sim_states()
             cpu0 = router.tree.cpu_seconds() if router else 0.0
             run = run_load(target, specs, load, args.closed_clients * args.workers)
@@ -108,7 +110,8 @@ def run_cell(args: argparse.Namespace, w: Workload, route: str, load: str, rate_
     done = [r.sent_at * ts + r.latency_s for r in run.results if r.ok]
     if warm is not None:
         row["ttft_p99_warm"] = warm * ts
-    row.update(cold_start(w, run))
+    if not args.warm:
+        row.update(cold_start(w, run))
     if args.save_requests:
         save_requests(args.save_requests, w, route, load, salt, run)
     row.update(engine_deltas(before, after), route=route, load=load, router_cpu=router_cpu, oracle=oracle_stats,
@@ -313,6 +316,10 @@ def render(data: dict[str, Any]) -> str:
                f"the time from sending a request to its last byte (decode included). Router CPU = share of one core; engine lag = simulated seconds the busiest sim fell "
                f"behind the wall clock (CPU starvation; should be ~0). kvroute's default policy: "
                f"`{meta['default_policy']}`.\n")
+    if meta.get("warm"):
+        out.append("**Warm cells** (`--warm`): before each cell's measured run the router got every shared prefix "
+                   "once (system prompt and image, the question \"warm up\", one output token, one at a time), so "
+                   "no measured request is a cold first use; the engines' counters and every figure exclude them.\n")
     v = verdicts(aggs)
     if v:
         out.append("## kvroute default vs issue 9's bar (best peer; oracle)\n")
@@ -416,6 +423,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default bench/results/, or bench/.runs/quick-results/ for a quick run")
     p.add_argument("--name", default=None,
                    help="result file name after the date; default quality-matrix, plus -FAMILY,... for a subset")
+    p.add_argument("--warm", action="store_true",
+                   help="before each cell, send every shared prefix once (one token, not measured): steady state, "
+                        "without the cold first uses")
     p.add_argument("--save-requests", type=Path, default=None, metavar="FILE",
                    help="append each request's tag, worker, TTFT and latency (JSON lines) to FILE")
     p.add_argument("--render", type=Path, default=None, help="only regenerate the markdown from this JSON file")
@@ -455,7 +465,7 @@ def run(args: argparse.Namespace) -> int:
         shlex.join(sys.argv[sys.argv.index("quality") + 1:] if "quality" in sys.argv else sys.argv[1:]),
         "workers": args.workers, "preset": args.preset, "time_scale": args.time_scale, "requests": args.requests,
         "repeats": args.repeats, "closed_clients": args.closed_clients, "calibrate_routes": args.calibrate_routes,
-        "ttft_slo": args.ttft_slo, "default_policy": default_policy(), "families": {}, "took_s": 0.0},
+        "ttft_slo": args.ttft_slo, "default_policy": default_policy(), "warm": args.warm, "families": {}, "took_s": 0.0},
         "rows": [], "failed_cells": []}
     log_dir = Path(__file__).resolve().parent / ".runs" / f"quality-{int(time.time())}"
     t_start = time.time()

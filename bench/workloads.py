@@ -105,6 +105,28 @@ class Workload:
                                    gap_s=r.get("gap", 0.0) / rate_per_s))
         return out
 
+    def warm_up_specs(self, salt: str = "", limit: int | None = None) -> list[RequestSpec]:
+        """One request per shared prefix of the first `limit` requests, in arrival order: that prefix (system
+        prompt, and image), the question "warm up" and one output token. Sent before a cell (`bench quality
+        --warm`) they leave every prefix cached somewhere, as in a fleet that has been serving; no measured
+        request's own text is among them."""
+        out: list[RequestSpec] = []
+        seen: set[Any] = set()
+        for i, spec in enumerate(self.specs(1.0, salt=salt, limit=limit)):
+            key = self.shared_prefix_key(i)
+            if key is None or key in seen:
+                continue
+            seen.add(key)
+            system, user = spec.body["messages"][:2]
+            content: Any = "warm up"
+            if isinstance(user["content"], list):
+                content = [p for p in user["content"] if p.get("type") == "image_url"] + \
+                    [{"type": "text", "text": "warm up"}]
+            out.append(RequestSpec({**spec.body, "max_tokens": 1, "messages": [system, {"role": "user",
+                                                                                    "content": content}]},
+                                   tag="warm-up"))
+        return out
+
     def _resolve(self, content: Any, salt: str, image_urls: dict[int, str]) -> Any:
         if isinstance(content, dict) and "$system" in content:
             return f"[{salt}] " + self.system_prompts[content["$system"]]

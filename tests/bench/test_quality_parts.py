@@ -272,3 +272,17 @@ def test_cold_first_uses_are_told_apart_from_the_tail_a_route_makes():
             {**_row("sglang-router:cache_aware", 0.2), "ttft_p99_seen": 0.06, "cold_in_slowest_1pct": 3}]
     text = verdicts(aggregate(rows))[0][2]
     assert "(3.0 of kvroute's slowest 1% are cold first uses of a shared prefix; without them p99 40 ms" in text
+
+
+def test_warm_up_sends_each_shared_prefix_once_and_no_measured_question():
+    w = load_or_generate("kv_pressure", 1, 1000)  # 8 system prompts and 8 system prompt + image prefixes
+    warm = w.warm_up_specs("s", 1000)
+    assert len(warm) == 16 and all(s.body["max_tokens"] == 1 for s in warm)
+    measured = w.specs(1.0, salt="s", limit=1000)
+    questions = {str(m["content"]) for s in measured for m in s.body["messages"][1:]}
+    for s in warm:
+        system, user = s.body["messages"]
+        assert system in [m.body["messages"][0] for m in measured]  # the very prefix a measured request sends
+        assert str(user["content"]) not in questions
+    with_image = [s for s in warm if isinstance(s.body["messages"][1]["content"], list)]
+    assert len(with_image) == 8 and all(s.body["messages"][1]["content"][0]["type"] == "image_url" for s in with_image)
