@@ -59,6 +59,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvroute proxy: {message}", file=sys.stderr, flush=True)
     if not may_start:
         return 2
+    from proxy.security.tokenfile import ensure_admin_token
+
+    if (path := ensure_admin_token(config.proxy)) is not None:
+        print(f"kvroute proxy: administering needs the admin token in {path} (`kvroute status`, `scale` and "
+              "`apply` on this machine read it)", file=sys.stderr, flush=True)
     if args.policy and args.policy not in policy_names():
         print(f"kvroute proxy: unknown policy '{args.policy}'; known: {', '.join(policy_names())}", file=sys.stderr)
         return 2

@@ -108,13 +108,17 @@ class ProxyConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     policy: PolicyName = "kv_aware"
-    admin_token: str | None = Field(None, description="guards /workers, /nodes, /fleet; unset or empty: loopback only")
+    admin_token: str | None = Field(None, description=(
+        "guards /workers, /nodes, /fleet; unset: `kvroute up` / `kvroute proxy` make one in a 0600 file"))
     worker_token: str | None = Field(None, description="lets workers register (each then gets its own secret)")
     worker_networks: list[str] = Field(
         default_factory=lambda: list(DEFAULT_WORKER_NETWORKS),
         description="CIDRs a registered worker URL may resolve to; anything else is refused (403)")
     trusted_worker_networks: list[str] = Field(
         default_factory=list, description="CIDRs whose callers may register workers without a token (LMDeploy)")
+    allowed_hosts: list[str] = Field(default_factory=list, description=(
+        "names besides this machine's own that a token-less control request's Host may carry (DNS rebinding "
+        "guard); '*' turns the check off"))
     insecure_open_control_plane: bool = Field(
         False, description="serve the control plane to everyone off loopback without an admin token (warned)")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
@@ -175,6 +179,24 @@ class StateConfig(_Strict):
 EngineArgs = dict[str, str | int | float | bool | list[str | int | float] | None] | list[str]
 
 
+# What a model's `env` may set: what engines read, never what changes which code an interpreter or library
+# runs (PYTHONPATH, LD_PRELOAD, PATH, BROWSER, ...). Workers inherit kvroute's own environment besides.
+ENGINE_ENV_PREFIXES = ("CUDA_", "NCCL_", "NVIDIA_", "VLLM_", "LMDEPLOY_", "TM_", "HF_", "NIXL_", "UCX_", "GLOO_",
+                       "OMP_", "MKL_", "OPENBLAS_", "KMP_", "PYTORCH_CUDA_", "TORCH_NCCL_", "TORCH_CUDA_",
+                       "RAY_", "KVROUTE_SIM_")
+ENGINE_ENV_NAMES = frozenset({"TOKENIZERS_PARALLELISM", "TRANSFORMERS_OFFLINE", "HUGGING_FACE_HUB_TOKEN",
+                              "TP_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "TZ"})
+# Inside those prefixes, names that load code or configuration from a path.
+ENGINE_ENV_REFUSED = frozenset({"VLLM_LOGGING_CONFIG_PATH", "VLLM_PLUGINS", "VLLM_USE_PRECOMPILED",
+                                "VLLM_CONFIG_ROOT", "HF_MODULES_CACHE"})
+_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,127}")
+
+
+def engine_env_allowed(name: str) -> bool:
+    return (bool(_ENV_NAME.fullmatch(name)) and name not in ENGINE_ENV_REFUSED
+            and (name in ENGINE_ENV_NAMES or name.startswith(ENGINE_ENV_PREFIXES)))
+
+
 class ModelConfig(_Strict):
     name: str = Field(..., min_length=1)
     aliases: list[str] = Field(default_factory=list)
@@ -191,6 +213,16 @@ class ModelConfig(_Strict):
     startup_timeout_s: float = Field(600.0, gt=0)
     limits: RequestLimits = Field(default_factory=RequestLimits,
                                   description="overrides proxy.limits for this model")
+
+    @field_validator("env")
+    @classmethod
+    def _engine_env_only(cls, v: dict[str, str]) -> dict[str, str]:
+        refused = sorted(name for name in v if not engine_env_allowed(name))
+        if refused:
+            raise ValueError(f"env may set only what engines read ({', '.join(ENGINE_ENV_PREFIXES)}* and "
+                             f"{', '.join(sorted(ENGINE_ENV_NAMES))}); refused: {', '.join(refused)[:200]} "
+                             "(set anything else in kvroute's own environment)")
+        return v
 
     @model_validator(mode="after")
     def _engine_needs(self) -> ModelConfig:

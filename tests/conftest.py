@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterator
 
 import pytest
 
 from tests.support.procs import ProcessGroup
+
+# `kvroute proxy` and `kvroute up` write the admin token they make to a 0600 file in this folder; tests read
+# it there (tests.support.procs.admin_headers), and never leave files in the user's ~/.config.
+os.environ.setdefault("KVROUTE_CONFIG_DIR", tempfile.mkdtemp(prefix="kvroute-test-config-"))
 
 
 @pytest.fixture

@@ -24,7 +24,8 @@ from proxy.errors import error_response
 from proxy.monitor import HealthMonitor
 from proxy.protocol import LoadReport, RegistrationAccepted, ReportAccepted, WorkerRegistration
 from proxy.registry import Registry, Worker, WorkerState, worker_id_from_url
-from proxy.security import peer
+from proxy.security import browser, peer
+from proxy.security.browser import OwnNames
 from proxy.security.controlauth import ADMIN_WHAT, Caller, ControlAuth, new_secret, secret_hash
 from proxy.security.networks import IPNetwork, WorkerUrlRefused, check_worker_url, parse_networks
 from proxy.security.redact import redact_mapping, redact_text
@@ -46,12 +47,17 @@ class _Access:
 
 _ACCESS = web.RequestKey("kvroute_control_access", _Access)  # per request: the resolved caller, the config
 
+_READ_ONLY = ("GET", "HEAD")
+
+
 def _needs(request: web.Request) -> tuple[str, str | None]:
-    """What a control route asks of its caller: ("admin"|"register"|"owner", worker id or None)."""
+    """What a control route asks of its caller: ("admin"|"register"|"owner"|"read", worker id or None)."""
     path, method = request.path, request.method
     if method == "POST" and path in ("/workers", "/nodes/add"):
         return "register", None
     worker_id = request.match_info.get("worker_id")
+    if method in _READ_ONLY and path in ("/workers", "/nodes/status"):
+        return "read", None
     if path.startswith("/workers/") and worker_id is not None:
         return "owner", worker_id  # report, drain, delete, read: the worker itself or an admin
     if path == "/nodes/remove":
@@ -59,23 +65,63 @@ def _needs(request: web.Request) -> tuple[str, str | None]:
     return "admin", None
 
 
+def _refused_from_a_browser(request: web.Request, caller: Caller, names: OwnNames,
+                            registry: Registry | None) -> web.Response | None:
+    """403/415 for what a web page could send: another origin's request, a body that is not JSON on a
+    state-changing route, or (without a credential) a Host that is not this proxy's (DNS rebinding)."""
+    headers = request.headers
+    why = browser.cross_origin(headers.get("Origin"), headers.get("Sec-Fetch-Site"), headers.get("Host"))
+    if why is not None:
+        log.warning("refused a cross-origin control request from %s (%s): %s %s", caller.host, why,
+                    request.method, request.path)
+        return error_response(403, f"The control plane does not answer web pages of other origins ({why}).",
+                              "permission_error", code="cross_origin_refused")
+    has_body = bool(request.content_length) or request.headers.get("Transfer-Encoding") is not None
+    if (why := browser.refused_content_type(request.method, headers.get("Content-Type"), has_body)) is not None:
+        return error_response(415, f"Control routes that change state take {browser.JSON_TYPE} only, not {why}.",
+                              code="unsupported_media_type")
+    if names.allows(headers.get("Host")) or _credentialed(caller, registry):
+        return None
+    log.warning("refused a control request from %s naming another host (Host: %s)", caller.host,
+                redact_text((headers.get("Host") or "")[:80]))
+    return error_response(403, "The Host header does not name this proxy; without a token the control plane "
+                               "answers only requests for its own names (proxy.allowed_hosts adds more).",
+                          "permission_error", code="host_not_allowed")
+
+
+def _credentialed(caller: Caller, registry: Registry | None) -> bool:
+    """A credential a page cannot have: the admin or worker token, or a registered worker's own secret."""
+    if caller.admin and caller.has_credential or caller.worker_token:
+        return True
+    return caller.has_credential and registry is not None and bool(set(caller.digests) & set(_secret_hashes(registry)))
+
+
 def auth_middleware(config: ProxyConfig) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """Credentials for the control plane. Without an admin token only loopback callers administer;
-    workers act on themselves only, with the secret they got at registration."""
+    """Credentials for the control plane. Administering always takes the admin token; callers on this
+    machine may read without one; workers act on themselves only, with the secret they got at
+    registration. Nothing from a web page of another origin is answered."""
     auth = ControlAuth(config)
     networks = parse_networks(config.worker_networks)
+    names = OwnNames(config.host, config.allowed_hosts)
 
     @web.middleware
     async def check_token(request: web.Request, handler: Handler) -> web.StreamResponse:
         if not request.path.startswith(_GUARDED_PREFIXES):
             return await handler(request)
         caller = auth.caller(request)
+        if (refused := _refused_from_a_browser(request, caller, names, request.app.get(_REGISTRY_KEY))) is not None:
+            return refused
         request[_ACCESS] = _Access(caller, auth, config, networks)
         if caller.admin:
             return await handler(request)
         need, worker_id = _needs(request)
+        reading_here = caller.loopback and not caller.has_credential  # a presented credential is judged as such
+        if need == "read" and reading_here:
+            return await handler(request)
         if need == "register" and (caller.may_register or caller.has_credential):
             return await handler(request)  # an owner re-registering is checked against the body
+        if need == "owner" and reading_here and request.method in _READ_ONLY:
+            return await handler(request)
         if need == "owner" and caller.has_credential:
             registry = request.app.get(_REGISTRY_KEY)
             worker = registry.get(worker_id) if registry is not None and worker_id is not None else None
@@ -83,7 +129,7 @@ def auth_middleware(config: ProxyConfig) -> Callable[..., Awaitable[web.StreamRe
                 return await handler(request)  # unknown: 404, so a forgotten worker registers again
         registry = request.app.get(_REGISTRY_KEY)
         hashes = _secret_hashes(registry) if registry is not None and caller.has_credential else []
-        return auth.denied(caller, ADMIN_WHAT if need == "admin" else "this worker route", hashes)
+        return auth.denied(caller, ADMIN_WHAT if need in ("admin", "read") else "this worker route", hashes)
 
     return check_token
 

@@ -41,4 +41,4 @@ def run(args: argparse.Namespace) -> int:
     # Only what the file sets (JSON is YAML): the proxy fills in the defaults itself.
     body = orjson.dumps(config.model_dump(mode="json", exclude_unset=True))
     return post_admin(args.proxy, "/fleet/apply", token_for(args.proxy, args.token), content=body,
-                      extra_headers={"Content-Type": "application/yaml"})
+                      extra_headers={"Content-Type": "application/json"})

@@ -249,8 +249,9 @@ async def _up(args: argparse.Namespace, path: Path, config: FleetConfig) -> int:
 
 
 def _secure(config: FleetConfig, console: Any) -> FleetConfig:
-    """Off loopback without an admin token, make one (kept in a 0600 file that `kvroute status/scale/apply`
-    read) unless --insecure-open-control-plane; and give the workers a token of their own, not the admin's."""
+    """Without an admin token, make one (kept in a 0600 file that `kvroute status/scale/apply` and the
+    dashboard's admin read), on loopback too, unless --insecure-open-control-plane; and give the workers a
+    token of their own, not the admin's."""
     from proxy.security.controlauth import new_secret, startup_problem
     from proxy.security.tokenfile import generate_admin_token
 
@@ -259,10 +260,10 @@ def _secure(config: FleetConfig, console: Any) -> FleetConfig:
     _, warning = startup_problem(proxy.host, proxy.admin_token, proxy.insecure_open_control_plane)
     if warning and proxy.insecure_open_control_plane:
         print(f"kvroute up: {warning}", file=sys.stderr, flush=True)
-    elif warning:
+    elif not proxy.admin_token and not proxy.insecure_open_control_plane:
         token, path = generate_admin_token(proxy.port)
         update["admin_token"] = token
-        console.print(f"kvroute up: the control plane needs the admin token in {path} "
+        console.print(f"kvroute up: administering needs the admin token in {path} "
                       "(`kvroute status`, `scale` and `apply` on this machine read it)")
     if (proxy.admin_token or update.get("admin_token")) and not proxy.worker_token:
         update["worker_token"] = new_secret()  # workers can register themselves, and administer nothing

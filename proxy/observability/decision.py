@@ -1,7 +1,6 @@
 """Explained decisions: the `x-kvroute-decision` response header an admin asks for with `x-kvroute-debug: 1`.
 
-Owns who may ask (the control plane's admin rule: the admin token, or a loopback caller while no admin token
-is configured) and the header's text (policy, reason, chosen worker, best candidates with their scores).
+Owns who may ask (the control plane's admin rule: the admin token, on loopback too) and the header's text (policy, reason, chosen worker, best candidates with their scores).
 Not the decision itself: only Decision's worker, reason and scores are read.
 """
 
@@ -13,7 +12,6 @@ from collections.abc import Mapping
 
 from proxy.observability.tracing import best_candidates
 from proxy.security.controlauth import presented_token, token_or_none
-from proxy.security.peer import is_loopback
 
 DEBUG_HEADER = b"x-kvroute-debug"
 DECISION_HEADER = b"x-kvroute-decision"
@@ -35,7 +33,7 @@ class DebugGate:
     def allows(self, peer: bytes, authorization: bytes | None, admin_header: bytes | None) -> bool:
         expected = self.admin_token
         if expected is None:
-            return self.open or is_loopback(peer.decode("latin-1"))
+            return self.open
         for given in (admin_header.strip() if admin_header else None,
                       presented_token(authorization.decode("latin-1")) if authorization else None):
             if given is not None and hmac.compare_digest(given, expected):

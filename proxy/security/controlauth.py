@@ -1,9 +1,10 @@
 """Who may use the control plane (/workers*, /nodes/*, /fleet*): admin, worker token, worker secret, network.
 
 Owns reading a caller's credentials (Bearer, or Basic as LMDeploy sends from `--proxy-url
-http://user:TOKEN@host`), the closed-by-default rule (no admin token: loopback callers only),
-per-worker secrets, and the start-up refusal of an open control plane off loopback. Which route
-needs what is control.py's; the caller's address is peer.py's.
+http://user:TOKEN@host`), the closed-by-default rule (administering always takes the admin token, on
+loopback too; a proxy started without one makes one), per-worker secrets, and the start-up refusal
+of an open control plane off loopback. Which route needs what is control.py's; the caller's address
+is peer.py's; what a browser may not send is browser.py's.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class Caller:
 
     host: str
     loopback: bool
-    admin: bool               # the admin token, or loopback while no admin token is configured
+    admin: bool               # the admin token (or --insecure-open-control-plane)
     worker_token: bool        # the configured worker token
     trusted_network: bool     # from proxy.trusted_worker_networks
     anonymous_register: bool  # loopback while no worker token is configured
@@ -128,7 +129,7 @@ class ControlAuth:
         token = presented_token(request.headers.get("Authorization"))
         extra = request.headers.get(WORKER_SECRET_HEADER)
         extra_raw = _raw(extra.strip()) if extra else None
-        admin = _same(token, self.admin_token) or (self.admin_token is None and (loopback or self.open))
+        admin = _same(token, self.admin_token) or (self.admin_token is None and self.open)
         return Caller(host=host, loopback=loopback, admin=admin, worker_token=_same(token, self.worker_token),
                       trusted_network=bool(self.trusted) and address_in(host, self.trusted),
                       anonymous_register=self.worker_token is None and (loopback or self.open),
@@ -140,8 +141,12 @@ class ControlAuth:
         trusted network, or the secret of some worker among `worker_secret_hashes`)."""
         from proxy.errors import error_response
 
+        if what == ADMIN_WHAT and self.admin_token is None and not self.open:
+            return error_response(403, f"{what} needs the admin token, and this proxy has none (set "
+                                       f"proxy.admin_token or {ADMIN_TOKEN_ENV}).", "permission_error",
+                                  code="control_plane_closed")
         closed = self.admin_token is None and not caller.loopback and not self.open
-        if closed and (what == ADMIN_WHAT or not caller.has_credential):
+        if closed and not caller.has_credential:
             return error_response(403, f"{what} answers only callers on this machine while no admin token is "
                                        "configured (proxy.admin_token).", "permission_error",
                                   code="control_plane_closed")
@@ -149,7 +154,8 @@ class ControlAuth:
         if caller.worker_token or caller.trusted_network or known:
             return error_response(403, f"This credential does not allow {what}.", "permission_error",
                                   code="forbidden")
-        return error_response(401, f"{what} needs a valid bearer token.", "authentication_error",
+        needed = "the admin token as a bearer token" if what == ADMIN_WHAT else "a valid bearer token"
+        return error_response(401, f"{what} needs {needed}.", "authentication_error",
                               code="invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="kvroute"'})
 
     def _known(self, caller: Caller) -> bool:

@@ -1,4 +1,4 @@
-"""The admin token `kvroute up` generates, kept in a 0600 file that `kvroute status/scale/apply` find.
+"""The admin token `kvroute up` and `kvroute proxy` generate, kept in a 0600 file the CLI finds.
 
 Owns the file's place (KVROUTE_CONFIG_DIR, else $XDG_CONFIG_HOME/kvroute, else ~/.config/kvroute;
 one file per proxy port), writing it privately, and looking a token up for a proxy URL. Blocking
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
 from yarl import URL
 
@@ -41,6 +42,16 @@ def generate_admin_token(port: int) -> tuple[str, Path]:
         f.write(token + "\n")
     os.chmod(path, 0o600)  # also when the file existed (empty) with a looser mode
     return token, path
+
+
+def ensure_admin_token(proxy: Any) -> Path | None:
+    """Give a proxy config without an admin token the one in its port's file (made if missing), unless the
+    operator opened the control plane on purpose. Administering then always takes a token, on loopback too:
+    a web page in a local browser has none. The path of the file, or None when nothing was set."""
+    if proxy.admin_token or proxy.insecure_open_control_plane:
+        return None
+    proxy.admin_token, path = generate_admin_token(proxy.port)
+    return path
 
 
 def read_token(path: Path) -> str | None:

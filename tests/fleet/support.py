@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.procs import Proc, ProcessGroup, free_port, wait_until
+from tests.support.procs import Proc, ProcessGroup, admin_headers, free_port, wait_until
 
 
 def pid_alive(pid: int) -> bool:
@@ -45,7 +45,7 @@ class Fleet:
 
     def __init__(self, procs: ProcessGroup, tmp_path: Path, config: str, *extra: str,
                  env: dict[str, str] | None = None, name: str = "up", token: str | None = None) -> None:
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._token = token
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config_path = tmp_path / "fleet.yaml"
@@ -55,6 +55,11 @@ class Fleet:
         self.proc: Proc = procs.kvroute(
             "up", str(self.config_path), "--port", str(self.port), "--run-dir", str(self.run_dir),
             "--restart-backoff-s", "0.2", *extra, name=name, env=env)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The admin's: the token given, else the one `kvroute up` made (tests.conftest's KVROUTE_CONFIG_DIR)."""
+        return {"Authorization": f"Bearer {self._token}"} if self._token else admin_headers(self.url)
 
     def write_config(self, text: str) -> None:
         # Write-then-rename, as editors do, so the watcher never reads half a file.

@@ -39,6 +39,6 @@ def test_sim_options_are_worker_flags_and_a_cpu_replica_sees_no_gpu():
 def test_only_worker_side_changes_restart_replicas():
     base = ModelConfig(name="q", engine="sim", replicas=2, engine_args={"time-scale": 1})
     assert spec_fingerprint(base) == spec_fingerprint(base.model_copy(update={"replicas": 5, "aliases": ["x"]}))
-    for change in ({"engine_args": {"time-scale": 2}}, {"env": {"A": "1"}}, {"preset": "h100-qwen3-vl-8b"},
+    for change in ({"engine_args": {"time-scale": 2}}, {"env": {"VLLM_A": "1"}}, {"preset": "h100-qwen3-vl-8b"},
                    {"gpus_per_replica": 1}):
         assert spec_fingerprint(base) != spec_fingerprint(base.model_copy(update=change)), change

@@ -21,7 +21,7 @@ import pytest
 from rich.console import Console
 
 from proxy.fleet.render import fleet_tables
-from tests.support.procs import KVROUTE, REPO, Proc, ProcessGroup, free_port, wait_until
+from tests.support.procs import KVROUTE, REPO, Proc, ProcessGroup, admin_headers, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -126,7 +126,7 @@ def test_up_in_an_80_column_terminal_fits_tells_how_to_stop_and_where_logs_are(p
 
         # `kvroute status` at 80 columns: a worker whose reports stop shows as stale (then, once the proxy's
         # health probe times out, unhealthy), with why; never as `starting`.
-        fleet = httpx.get(url + "/fleet", timeout=5).json()
+        fleet = httpx.get(url + "/fleet", headers=admin_headers(url), timeout=5).json()
         pid = next(r["pid"] for r in fleet["replicas"] if r["worker_id"] == "qwen3-vl-tiny-sim-1")
         os.kill(pid, signal.SIGSTOP)
         not_ready = r"qwen3-vl-tiny-sim-1\s+(stale|unhealthy)"

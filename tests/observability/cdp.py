@@ -35,14 +35,17 @@ def chromium_binary() -> str:
 class Browser:
     """One headless Chromium process (started through `procs`, so stopped by PID) and one page."""
 
-    def __init__(self, procs: ProcessGroup, profile: Path, width: int = 1400, height: int = 900) -> None:
+    def __init__(self, procs: ProcessGroup, profile: Path, width: int = 1400, height: int = 900,
+                 extra_args: tuple[str, ...] = ()) -> None:
         profile.mkdir(parents=True, exist_ok=True)
         port_file = profile / "DevToolsActivePort"
         port_file.unlink(missing_ok=True)  # a reused profile keeps the last run's port
         self.proc = procs.start([chromium_binary(), "--headless=new", "--no-sandbox", "--disable-gpu",
                                  "--disable-dev-shm-usage", "--no-first-run", "--no-default-browser-check",
                                  "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
-                                 f"--user-data-dir={profile}", f"--window-size={width},{height}", "about:blank"],
+                                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                                 f"--user-data-dir={profile}", f"--window-size={width},{height}", *extra_args,
+                                 "about:blank"],
                                 name="chromium")
         port = wait_until(lambda: port_file.exists() and port_file.read_text().split("\n")[0].strip(), 30.0,
                           0.1, "Chromium's DevTools port")

@@ -117,7 +117,7 @@ async def test_dashboard_routes_need_no_token_and_leak_no_secrets():
         assert b'"w-0"' in body
         for secret in (ADMIN_TOKEN, "worker-secret", "label-secret"):
             assert secret.encode() not in body
-        assert (await client.get("/workers")).status == 401  # the control plane stays guarded
+        assert (await client.post("/workers/w-0/drain")).status == 401  # the control plane stays guarded
     finally:
         await client.close()
 

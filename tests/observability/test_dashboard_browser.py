@@ -23,7 +23,7 @@ from proxy.protocol import WorkerRegistration
 from proxy.registry import Registry
 from tests.observability.cdp import Browser
 from tests.proxy.fleet import Fleet
-from tests.support.procs import REPO, free_port, wait_until
+from tests.support.procs import REPO, admin_headers, free_port, wait_until
 
 MODEL = "qwen3-vl-demo"
 KV_TOKENS = 8192  # small KV, so a handful of long requests fills a visible part of it
@@ -106,11 +106,12 @@ def test_dashboard_in_chromium_lists_workers_and_shows_kv_under_load(procs, tmp_
             if os.environ.get("KVROUTE_UPDATE_DOCS") == "1":
                 shutil.copyfile(shot, REPO / "docs" / "dashboard.png")
 
-            # Admin actions only with a token the control plane takes (this proxy, on loopback with no
-            # admin token configured, takes any); drain goes through POST /workers/{id}/drain.
+            # Admin actions only with the admin token (the one `kvroute proxy` made, on loopback too);
+            # drain goes through POST /workers/{id}/drain.
             visible_drains = "[...document.querySelectorAll('button[data-drain]')].filter(b => b.offsetParent).length"
             assert browser.evaluate(visible_drains) == 0
-            browser.evaluate("window.confirm = () => true; useToken('any-token')")
+            token = fleet.admin()["Authorization"].removeprefix("Bearer ")
+            browser.evaluate(f"window.confirm = () => true; useToken('{token}')")
             wait_until(lambda: browser.evaluate(visible_drains) == len(ids), 10, 0.1, "drain buttons with the token")
             browser.evaluate("document.querySelector('button[data-drain=\"sim-2\"]').click()")
             wait_until(lambda: browser.evaluate(
@@ -197,7 +198,8 @@ def test_dashboard_scales_a_model_of_kvroute_up_with_the_admin_token(procs, tmp_
         browser.open(url + "/dashboard")
         ready = "document.querySelectorAll('tr[data-worker-id][data-state=\"ready\"]').length"
         wait_until(lambda: browser.evaluate(ready) == 1, 20, 0.2, "one ready worker on the page")
-        browser.evaluate("useToken('any-token')")  # loopback, no admin token configured: the control plane is open
+        token = admin_headers(url)["Authorization"].removeprefix("Bearer ")  # the one `kvroute up` made
+        browser.evaluate(f"useToken('{token}')")
         wait_until(lambda: browser.evaluate("document.body.classList.contains('admin')"), 10, 0.1, "admin mode")
         browser.evaluate("""(i => { i.value = '2'; i.dispatchEvent(new Event('input', {bubbles: true})); })(
             document.querySelector('input[data-scale-input="tiny"]'));

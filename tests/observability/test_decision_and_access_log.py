@@ -126,7 +126,7 @@ def test_the_decision_header_is_short_and_safe_at_any_fleet_size():
 
 def test_who_may_ask_follows_the_control_planes_admin_rule():
     no_token = DebugGate(None, open_control_plane=False)
-    assert no_token.allows(b"127.0.0.1", None, None)  # `kvroute up` on a laptop: loopback is admin
+    assert not no_token.allows(b"127.0.0.1", None, None)  # loopback is no admin: a local page is on loopback
     assert not no_token.allows(b"10.1.2.3", None, None)
     assert DebugGate(None, open_control_plane=True).allows(b"10.1.2.3", None, None)
     with_token = DebugGate(ADMIN, open_control_plane=False)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.procs import Proc, ProcessGroup, free_port, wait_http_ok, wait_until
+from tests.support.procs import Proc, ProcessGroup, admin_headers, free_port, wait_http_ok, wait_until
 
 
 @dataclass
@@ -28,6 +28,7 @@ class Fleet:
         self.tmp_path = tmp_path
         self.url = ""
         self.http = httpx.Client(timeout=30.0)
+        self.secrets: dict[str, str] = {}  # worker id -> the secret its registration returned
 
     def close(self) -> None:
         self.http.close()
@@ -67,6 +68,10 @@ class Fleet:
         return sims
 
     # --- control plane ------------------------------------------------------------------------
+    def admin(self) -> dict[str, str]:
+        """Headers that administer this fleet's proxy (drain, remove): its admin token."""
+        return admin_headers(self.url)
+
     def workers(self) -> list[dict]:
         return self.http.get(self.url + "/workers").json()["workers"]
 
@@ -78,14 +83,19 @@ class Fleet:
                           0.05, what)
 
     def register(self, worker_id: str, url: str, model: str = "m1", capacity: int = 20000) -> None:
-        resp = self.http.post(self.url + "/workers", json={
-            "worker_id": worker_id, "url": url, "models": [model], "engine": "sim", "kv_capacity_tokens": capacity})
+        secret = self.secrets.get(worker_id)  # registering again: as a worker does, with its own secret
+        resp = self.http.post(self.url + "/workers", headers={"Authorization": f"Bearer {secret}"} if secret else {},
+                              json={"worker_id": worker_id, "url": url, "models": [model], "engine": "sim",
+                                    "kv_capacity_tokens": capacity})
         resp.raise_for_status()
+        self.secrets[worker_id] = resp.json()["worker_secret"]
 
     def report(self, worker_id: str, url: str, usage: float, model: str = "m1", capacity: int = 20000,
                waiting: int = 0) -> None:
         self._seq = getattr(self, "_seq", 0) + 1
-        resp = self.http.post(f"{self.url}/workers/{worker_id}/report", json={
+        secret = self.secrets.get(worker_id)  # a worker reports with its own secret
+        resp = self.http.post(f"{self.url}/workers/{worker_id}/report", headers=(
+            {"Authorization": f"Bearer {secret}"} if secret else self.admin()), json={
             "worker_id": worker_id, "url": url, "models": [model], "engine": "sim", "state": "ready",
             "kv_cache_usage": usage, "kv_capacity_tokens": capacity, "num_running": 0, "num_waiting": waiting,
             "seq": self._seq, "sent_at": time.time()})
@@ -121,7 +131,9 @@ class FakeReports:
     def _send(self) -> None:
         self._seq += 1
         for worker_id, (url, usage, *waiting) in self.loads.items():  # (url, usage[, requests waiting])
-            self._client.post(f"{self.fleet.url}/workers/{worker_id}/report", json={
+            secret = self.fleet.secrets[worker_id]  # registered through fleet.register
+            self._client.post(f"{self.fleet.url}/workers/{worker_id}/report", headers={
+                "Authorization": f"Bearer {secret}"}, json={
                 "worker_id": worker_id, "url": url, "models": [self.model], "engine": "sim", "state": "ready",
                 "kv_cache_usage": usage, "kv_capacity_tokens": 20000, "num_running": 4 if waiting else 0,
                 "num_waiting": waiting[0] if waiting else 0,

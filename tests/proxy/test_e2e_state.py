@@ -50,7 +50,7 @@ def test_two_replicas_share_workers_and_reports_and_a_restart_keeps_the_fleet(pr
         assert resp.status_code == 200 and resp.headers["x-kvroute-worker"] == sim.worker_id
 
         # drain on one replica is seen by the other
-        assert httpx.post(f"{second.url}/workers/{sim.worker_id}/drain").status_code == 200
+        assert httpx.post(f"{second.url}/workers/{sim.worker_id}/drain", headers=second.admin()).status_code == 200
         first.wait_workers(lambda ws: ws[0]["state"] == "draining", what="drain via redis")
 
         # a replica started after everything happened gets the whole view at start-up

@@ -63,7 +63,8 @@ def test_refused_reports_get_the_control_planes_answers(proxy):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "kv_cache_usage"
     other = fleet.http.post(fleet.url + "/workers/w1/report", headers=mine, json=_report("w2", 5))
     assert other.status_code == 400 and other.json()["error"]["param"] == "worker_id"
-    not_json = fleet.http.post(fleet.url + "/workers/w1/report", headers=mine, content=b"{not json")
+    not_json = fleet.http.post(fleet.url + "/workers/w1/report", content=b"{not json",
+                               headers={**mine, "Content-Type": "application/json"})
     assert not_json.status_code == 400 and not_json.json()["error"]["type"] == "invalid_request_error"
     for headers in ({}, {"Authorization": "Bearer not-the-secret"}, {"Authorization": f"Basic {secret}"},
                     {"Authorization": f"Bearer {WORKER_TOKEN}"}):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import socket
 import stat
 import time
 from collections.abc import AsyncIterator, Callable
@@ -36,6 +37,8 @@ ADMIN, WORKER_TOKEN = "adm1n-t0ken", "w0rker-t0ken"
 
 class FakeManager:
     """Stands in for the fleet manager: records what /fleet/* asked of it."""
+
+    config_path = None  # no file to write a scale back to
 
     def __init__(self) -> None:
         self.applied: list[object] = []
@@ -70,6 +73,8 @@ class Proxy:
     async def call(self, method: str, path: str, token: str | None = None, source: str | None = None,
                    **kwargs: object) -> tuple[int, object]:
         headers = {**self.headers(token, source), **kwargs.pop("headers", {})}  # type: ignore[dict-item]
+        if "data" in kwargs:  # a config's text: control routes that change state take JSON's type only
+            headers.setdefault("Content-Type", "application/json")
         async with self.client.request(method, path, headers=headers, **kwargs) as resp:
             body = await resp.json(content_type=None) if resp.content_type == "application/json" else None
             return resp.status, body
@@ -104,22 +109,26 @@ async def make_proxy() -> AsyncIterator[Callable[..., object]]:
 
 
 TOKENS = f"proxy:\n  admin_token: {ADMIN}\n  worker_token: {WORKER_TOKEN}\n"
-ADMIN_ROUTES = [("GET", "/workers"), ("GET", "/nodes/status"), ("GET", "/fleet"),
-                ("POST", "/fleet/scale"), ("POST", "/fleet/apply")]  # /nodes/remove: admin or the node's owner
+ADMIN_ROUTES = [("GET", "/fleet"), ("POST", "/fleet/scale"), ("POST", "/fleet/apply")]  # and drain/delete
+READ_ROUTES = [("GET", "/workers"), ("GET", "/nodes/status")]  # admin, or a caller on this machine
 
 
 # --- 1. closed by default ----------------------------------------------------------------------------
 
-async def test_without_an_admin_token_only_loopback_callers_reach_the_control_plane(make_proxy):
+async def test_without_an_admin_token_nobody_administers_and_only_loopback_callers_read(make_proxy):
     proxy = await make_proxy()
-    for method, path in ADMIN_ROUTES:
+    for method, path in ADMIN_ROUTES + READ_ROUTES:
         status, body = await proxy.call(method, path, source=REMOTE, json={})
         assert status == 403, (method, path)
         assert body["error"]["code"] == "control_plane_closed"
         status, _ = await proxy.call(method, path, source=REMOTE, token="anything", json={})
         assert status == 403, (method, path)
-    assert (await proxy.call("GET", "/workers"))[0] == 200  # loopback
-    assert (await proxy.call("GET", "/workers", source="127.0.0.1"))[0] == 200
+    for method, path in ADMIN_ROUTES:  # on loopback too: a web page in a local browser is on loopback
+        status, body = await proxy.call(method, path, json={})
+        assert status == 403 and body["error"]["code"] == "control_plane_closed", (method, path)
+    for method, path in READ_ROUTES:
+        assert (await proxy.call(method, path))[0] == 200
+        assert (await proxy.call(method, path, source="127.0.0.1"))[0] == 200
     # Anonymous remote callers neither register nor touch a worker.
     assert (await proxy.register("w", "http://127.0.0.1:9", source=REMOTE))[0] == 403
     assert (await proxy.call("POST", "/nodes/add", source=REMOTE, json={"url": "http://127.0.0.1:9"}))[0] == 403
@@ -127,16 +136,19 @@ async def test_without_an_admin_token_only_loopback_callers_reach_the_control_pl
     for method, path in [("POST", "/workers/w/drain"), ("DELETE", "/workers/w"), ("GET", "/workers/w")]:
         assert (await proxy.call(method, path, source=REMOTE))[0] == 403, (method, path)
         assert (await proxy.call(method, path, source=REMOTE, token="guess"))[0] == 401, (method, path)
+    for method, path in [("POST", "/workers/w/drain"), ("DELETE", "/workers/w")]:
+        assert (await proxy.call(method, path))[0] == 401, (method, path)  # loopback, no token
+    assert (await proxy.call("GET", "/workers/w"))[0] == 200
     removal = {"url": "http://127.0.0.1:9"}
     assert (await proxy.call("POST", "/nodes/remove", source=REMOTE, json=removal))[0] == 403
     assert (await proxy.call("POST", "/nodes/remove", source=REMOTE, token="guess", json=removal))[0] == 401
-    assert proxy.app[REGISTRY_KEY].get("w") is not None
+    assert proxy.app[REGISTRY_KEY].get("w") is not None and not proxy.app[REGISTRY_KEY].get("w").drain_requested
     assert (await proxy.call("GET", "/health", source=REMOTE))[0] == 200  # not part of the control plane
 
 
 async def test_anonymous_fleet_apply_and_scale_are_refused_off_loopback(make_proxy):
     proxy = await make_proxy()
-    config = "models:\n  - name: evil\n    engine: sim\n    env: {PYTHONSTARTUP: /tmp/x.py}\n"
+    config = "models:\n  - name: evil\n    engine: sim\n    env: {VLLM_X: '1'}\n"
     status, _ = await proxy.call("POST", "/fleet/apply", source=REMOTE, data=config)
     assert status == 403
     status, _ = await proxy.call("POST", "/fleet/scale", source=REMOTE, json={"model": "m", "replicas": 5})
@@ -151,29 +163,33 @@ async def test_anonymous_fleet_apply_and_scale_are_refused_off_loopback(make_pro
 
 
 async def test_http_applied_configs_do_not_read_the_proxys_environment_and_replicas_are_capped(make_proxy):
-    proxy = await make_proxy()
+    proxy = await make_proxy(TOKENS)
     os.environ["KVROUTE_TEST_SECRET"] = "do-not-echo"
     try:
-        status, body = await proxy.call("POST", "/fleet/apply",
+        status, body = await proxy.call("POST", "/fleet/apply", token=ADMIN,
                                         data="models:\n  - name: ${KVROUTE_TEST_SECRET}\n    engine: sim\n")
     finally:
         del os.environ["KVROUTE_TEST_SECRET"]
     assert status == 400 and "KVROUTE_TEST_SECRET is not set" in body["error"]["message"]
     assert "do-not-echo" not in str(body)
-    status, _ = await proxy.call("POST", "/fleet/apply", data="models:\n  - name: ${NAME:-plain}\n    engine: sim\n")
+    status, _ = await proxy.call("POST", "/fleet/apply", token=ADMIN,
+                                 data="models:\n  - name: ${NAME:-plain}\n    engine: sim\n")
     assert status == 200 and proxy.manager.applied[-1].models[0].name == "plain"
-    status, body = await proxy.call("POST", "/fleet/scale", json={"model": "m", "replicas": 100000})
+    status, body = await proxy.call("POST", "/fleet/scale", token=ADMIN, json={"model": "m", "replicas": 100000})
     assert status == 400 and body["error"]["code"] == "too_many_replicas"
-    status, _ = await proxy.call("POST", "/fleet/apply", data="models:\n  - name: a\n    engine: sim\n    replicas: 5000\n")
+    status, _ = await proxy.call("POST", "/fleet/apply", token=ADMIN,
+                                 data="models:\n  - name: a\n    engine: sim\n    replicas: 5000\n")
     assert status == 400 and proxy.manager.scaled == []
 
 
-@pytest.mark.parametrize("route", ADMIN_ROUTES)
+@pytest.mark.parametrize("route", ADMIN_ROUTES + READ_ROUTES)
 async def test_each_admin_route_with_and_without_each_credential(make_proxy, route):
     proxy = await make_proxy(TOKENS)
     method, path = route
-    assert (await proxy.call(method, path, json={}))[0] == 401
+    assert (await proxy.call(method, path, json={}))[0] == (200 if route in READ_ROUTES else 401)
+    assert (await proxy.call(method, path, source=REMOTE, json={}))[0] == 401
     assert (await proxy.call(method, path, token="wrong", json={}))[0] == 401
+    assert (await proxy.call(method, path, token="wrong", source=REMOTE, json={}))[0] == 401
     assert (await proxy.call(method, path, token=WORKER_TOKEN, json={}))[0] == 403
     status, body = await proxy.register("w1", "http://127.0.0.1:9", token=WORKER_TOKEN)
     assert (await proxy.call(method, path, token=body["worker_secret"], json={}))[0] in (403, 401)
@@ -184,6 +200,7 @@ async def test_each_admin_route_with_and_without_each_credential(make_proxy, rou
 async def test_an_empty_admin_token_counts_as_unset(make_proxy):
     proxy = await make_proxy('proxy:\n  admin_token: ""\n')
     assert (await proxy.call("GET", "/workers"))[0] == 200
+    assert (await proxy.call("POST", "/fleet/scale", json={"model": "m", "replicas": 1}))[0] == 403
     assert (await proxy.call("GET", "/workers", source=REMOTE, token=""))[0] == 403
     assert startup_problem("0.0.0.0", "  ", False)[0] is False
 
@@ -413,7 +430,7 @@ async def test_workers_listing_shows_no_secret_and_bad_utf8_credentials_never_50
     assert "'zone': 'a'" in text and proxy.app[REGISTRY_KEY].get("a").api_key == "engine-key-123"
 
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.client.server.port)
-    writer.write(b"GET /workers HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\xc3(\r\nConnection: close\r\n\r\n")
+    writer.write(b"GET /workers HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer \xff\xfe\xc3(\r\nConnection: close\r\n\r\n")
     await writer.drain()
     answer = await asyncio.wait_for(reader.read(), 10)
     writer.close()
@@ -519,7 +536,7 @@ def test_kvroute_up_off_loopback_generates_a_private_token_that_status_finds(pro
     status = subprocess.run([*KVROUTE, "status", "--proxy", f"http://127.0.0.1:{port}"], capture_output=True,
                             text=True, timeout=60, env=run_env)
     assert status.returncode == 0, status.stderr
-    other = subprocess.run([*KVROUTE, "status", "--proxy", f"http://127.0.0.1:{port}"], capture_output=True,
+    other = subprocess.run([*KVROUTE, "scale", "m", "1", "--proxy", f"http://127.0.0.1:{port}"], capture_output=True,
                            text=True, timeout=60, env={**run_env, "KVROUTE_CONFIG_DIR": str(tmp_path / "none")})
     assert other.returncode == 1 and "admin token" in other.stderr
 
@@ -598,3 +615,55 @@ def test_callers_on_other_hosts_get_no_control_plane_without_credentials_even_wh
         result = b.run([sys.executable, "-c", script])
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout.strip().splitlines()[-1]) == [401, 401, 200]
+
+
+# --- nothing from a web page (issue 33, item 1; the browser itself: test_security_browser.py) -----------
+
+async def test_pages_of_other_origins_and_non_json_bodies_are_refused_even_with_the_admin_token(make_proxy):
+    proxy = await make_proxy(TOKENS)
+    scale = '{"model": "m", "replicas": 2}'
+    for origin in ("http://127.0.0.1:3000", "http://evil.example", "null", "http://localhost"):
+        status, body = await proxy.call("POST", "/fleet/scale", token=ADMIN, data=scale, headers={"Origin": origin})
+        assert status == 403 and body["error"]["code"] == "cross_origin_refused", origin
+    for site in ("cross-site", "same-site"):
+        status, _ = await proxy.call("POST", "/fleet/scale", token=ADMIN, data=scale,
+                                     headers={"Sec-Fetch-Site": site})
+        assert status == 403, site
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", ""):
+        status, body = await proxy.call("POST", "/fleet/scale", token=ADMIN, data=scale,
+                                        headers={"Content-Type": kind})
+        assert status == 415 and body["error"]["code"] == "unsupported_media_type", kind
+    assert proxy.manager.scaled == []
+    # The dashboard's own page (same origin, JSON) administers.
+    host = f"127.0.0.1:{proxy.client.server.port}"
+    status, _ = await proxy.call("POST", "/fleet/scale", token=ADMIN, data=scale,
+                                 headers={"Origin": f"http://{host}", "Sec-Fetch-Site": "same-origin"})
+    assert status == 200 and proxy.manager.scaled == [("m", 2)]
+
+
+async def test_without_a_credential_the_host_must_name_this_proxy(make_proxy):
+    proxy = await make_proxy(TOKENS)
+    for host in ("rebind.attacker.test", "rebind.attacker.test:8000", "203.0.113.9", "[2001:db8::1]:80", "a b"):
+        status, body = await proxy.call("GET", "/workers", headers={"Host": host})
+        assert status == 403 and body["error"]["code"] == "host_not_allowed", host
+        assert (await proxy.register("w", "http://127.0.0.1:9", headers={"Host": host}))[0] == 403
+    for host in ("127.0.0.1", "localhost:1", "[::1]:5", socket.gethostname()):
+        assert (await proxy.call("GET", "/workers", headers={"Host": host}))[0] == 200, host
+    # A token is what a page cannot have: behind a load balancer's name a worker with it still registers.
+    status, _ = await proxy.register("w", "http://127.0.0.1:9", token=WORKER_TOKEN,
+                                     headers={"Host": "kvroute.svc.cluster.local"})
+    assert status == 200
+    named = await make_proxy(TOKENS + "  allowed_hosts: [kvroute.internal]\n")
+    assert (await named.call("GET", "/workers", headers={"Host": "kvroute.internal:8000"}))[0] == 200
+
+
+async def test_fleet_apply_refuses_env_that_changes_what_runs(make_proxy):
+    proxy = await make_proxy(TOKENS)
+    for name in ("BROWSER", "PYTHONSTARTUP", "PYTHONPATH", "LD_PRELOAD", "PATH", "BASH_ENV", "VLLM_PLUGINS",
+                 "VLLM_LOGGING_CONFIG_PATH", "NODE_OPTIONS", "vllm_lower"):
+        config = f"models:\n  - name: a\n    engine: sim\n    env: {{{name}: x}}\n"
+        status, body = await proxy.call("POST", "/fleet/apply", token=ADMIN, data=config)
+        assert status == 400 and name in body["error"]["message"], name
+    assert proxy.manager.applied == []
+    allowed = "models:\n  - name: a\n    engine: sim\n    env: {VLLM_CPU_OMP_THREADS_BIND: all, HF_HUB_OFFLINE: '1'}\n"
+    assert (await proxy.call("POST", "/fleet/apply", token=ADMIN, data=allowed))[0] == 200

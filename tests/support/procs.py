@@ -59,6 +59,14 @@ def free_port() -> int:
     raise RuntimeError("no free port in this xdist worker's block")
 
 
+def admin_headers(proxy_url: str) -> dict[str, str]:
+    """The Authorization header of the admin token that `kvroute proxy`/`up` on this URL made (KVROUTE_CONFIG_DIR)."""
+    from proxy.security.tokenfile import token_for
+
+    token = wait_until(lambda: token_for(proxy_url), 10, what=f"the admin token file of {proxy_url}")
+    return {"Authorization": f"Bearer {token}"}
+
+
 def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.05, what: str = "condition") -> T:
     """Poll `predicate` until it returns something truthy; fail the test after `timeout` seconds."""
     deadline = time.monotonic() + timeout
