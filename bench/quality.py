@@ -360,7 +360,7 @@ def render(data: dict[str, Any]) -> str:
 
 
 def headline(data: dict[str, Any]) -> str:
-    """The README Performance snippet: per family and load, kvroute's default next to the best peer and the
+    """The headline of a quality result: per family and load, kvroute's default next to the best peer and the
     oracle (means over repeats), then the verdicts. Generated from the JSON only."""
     aggs = aggregate(data["rows"])
     meta = data["meta"]
@@ -430,7 +430,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="append each request's tag, worker, TTFT and latency (JSON lines) to FILE")
     p.add_argument("--render", type=Path, default=None, help="only regenerate the markdown from this JSON file")
     p.add_argument("--headline", type=Path, default=None,
-                   help="only print the README Performance snippet from this JSON file")
+                   help="only print the headline table and verdicts of this JSON file")
 
 
 def is_quick(requests: int, repeats: int) -> bool:
