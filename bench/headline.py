@@ -319,7 +319,7 @@ def readme_block(results: Path = RESULTS_DIR) -> str:
     return "\n".join([
         BEGIN, "",
         "**Routing quality against the peer routers** (4 sim workers, 1000 requests per cell, mean of 3 repeats; "
-        "a peer that failed requests, as the Rust routers did with two models, is left out):", "",
+        "a peer that failed or refused requests in a family is left out there):", "",
         _quality_summary(results), "",
         "**Proxy overhead** (4 fast sim workers, the three workloads of `kvroute bench overhead`):", "",
         _overhead_summary(results), "",
