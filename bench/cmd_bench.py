@@ -1,6 +1,6 @@
 """`kvroute bench ...`: one subcommand per benchmark family, plus `peers` to install the peer routers.
 
-Owns only the command line; each family's module (overhead, quality, scale, peers) does the work.
+Owns only the command line; each family's module (overhead, quality, scale, plot, headline, ...) does the work.
 Heavy imports happen inside run() so `kvroute --help` stays instant.
 """
 
@@ -21,6 +21,9 @@ FAMILIES: dict[str, tuple[str, str]] = {
                              "(--state redis) a Redis restart under load; failures by kind, in-flight, fds, RSS"),
     "tracing": ("bench.tracing_cost", "CPU per request with the access log and OpenTelemetry tracing off and on"),
     "peers": ("bench.peers", "install vllm-router, sglang-router and LMDeploy's proxy into bench/.peers/"),
+    "plot": ("bench.plot", "draw a quality or overhead result's plots (PNG) from its JSON into bench/.plots/"),
+    "headline": ("bench.headline", "the performance summary from the result files: print it, or --write "
+                                   "docs/performance.md and README.md's Performance tables"),
 }
 
 

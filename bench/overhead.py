@@ -17,7 +17,7 @@ from typing import Any
 
 from bench.fleet import BARE_RELAY, Fleet, SimWorkerSpec, start_router
 from bench.loadgen import LoadGenerator, RequestSpec, chat_body, summarize
-from bench.report import environment_note, fmt, md_table, ms, plot_cdfs, results_path, write_json
+from bench.report import cdf, environment_note, fmt, md_table, ms, results_path, write_json
 
 KVROUTE_POLICIES = ("kv_cost", "kv_aware", "prefix", "least_requests", "round_robin")
 # `kvroute-aiohttp:POLICY`: kvroute on its previous all-aiohttp data plane (`--data-plane aiohttp`), for comparison
@@ -284,14 +284,12 @@ def run(args: argparse.Namespace) -> int:
                   f"{'streaming' if w.stream else 'non-streaming'}" for w in chosen)))
     md_path = results_path(args.name, ".md", args.out_dir)
     text = render(rows, sizes) + "\n" + render_repeats(rows) + "".join(f"\n- cell not run: {f}" for f in failed_cells)
-    for w in chosen:
-        png = results_path(f"{args.name}-{w.name}-latency-cdf", ".png", args.out_dir)
-        if plot_cdfs(png, {r["route"]: r["latencies"] for r in rows if r["workload"] == w.name},
-                     f"{w.name}: end-to-end latency CDF", "latency (ms)"):
-            text += f"\n![{w.name} latency CDF]({png.name})\n"
+    text += "\nLatency CDFs: `kvroute bench plot` on the JSON beside this file.\n"
     md_path.write_text(text)
+    # each row keeps its latency distribution as a CDF (bench/report.py), not the samples
     write_json(results_path(args.name, ".json", args.out_dir),
-               [{k: v for k, v in r.items() if k not in ("latencies", "ttfts")} for r in rows])
+               [{**{k: v for k, v in r.items() if k not in ("latencies", "ttfts")},
+                 "latency_cdf": cdf(r["latencies"])} for r in rows])
     print(text)
     print(f"[overhead] wrote {md_path}")
     return 0 if not failed_cells and all(r["failed"] == 0 for r in rows) else 1

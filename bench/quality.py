@@ -22,7 +22,7 @@ from typing import Any
 
 from bench.fleet import Fleet, SimWorkerSpec, default_policy, start_router
 from bench.loadgen import LoadGenerator, RunResult, summarize
-from bench.report import environment_note, fmt, md_table, ms, plot_cdfs, results_path, write_json
+from bench.report import cdf, environment_note, fmt, md_table, ms, results_path, write_json
 from bench.tails import cold_start, save_requests, ttft_p99_after_first_wave
 from bench.workloads import DEFAULT_REQUESTS, FAMILIES, KINDS, Workload, load_or_generate
 
@@ -353,14 +353,14 @@ def render(data: dict[str, Any]) -> str:
         for failure in data.get("failed_cells", []):
             if failure.startswith(family + " "):
                 out.append(f"- cell not run: {failure}")
-        for png in fam.get("plots", []):
-            out.append(f"![{png}]({png})")
+        if fam.get("ttft_cdf"):
+            out.append("TTFT CDFs per load: `kvroute bench plot` on the JSON beside this file.")
         out.append("")
     return "\n".join(out)
 
 
 def headline(data: dict[str, Any]) -> str:
-    """The README Performance snippet: per family and load, kvroute's default next to the best peer and the
+    """The headline of a quality result: per family and load, kvroute's default next to the best peer and the
     oracle (means over repeats), then the verdicts. Generated from the JSON only."""
     aggs = aggregate(data["rows"])
     meta = data["meta"]
@@ -430,7 +430,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="append each request's tag, worker, TTFT and latency (JSON lines) to FILE")
     p.add_argument("--render", type=Path, default=None, help="only regenerate the markdown from this JSON file")
     p.add_argument("--headline", type=Path, default=None,
-                   help="only print the README Performance snippet from this JSON file")
+                   help="only print the headline table and verdicts of this JSON file")
 
 
 def is_quick(requests: int, repeats: int) -> bool:
@@ -474,7 +474,7 @@ def run(args: argparse.Namespace) -> int:
     for family in families:
         w = load_or_generate(family, args.seed, max(args.requests, DEFAULT_REQUESTS))
         fam: dict[str, Any] = {"kv_tokens": args.kv_tokens or w.kv_tokens,
-                               "shared_prefix_tokens": w.shared_prefix_tokens(), "plots": []}
+                               "shared_prefix_tokens": w.shared_prefix_tokens(), "ttft_cdf": {}}
         data["meta"]["families"][family] = fam
         capacity_wall = None
         if any(x != "closed" for x in loads):
@@ -513,11 +513,8 @@ def run(args: argparse.Namespace) -> int:
                           flush=True)
                     data["meta"]["took_s"] = time.time() - t_start
                     write_all(data, args.name, out_dir)  # a cut-short run keeps what it has
-        for load in loads:
-            png = results_path(f"{args.name}-{family}-{load}-ttft-cdf", ".png", out_dir)
-            if plot_cdfs(png, {route_label(r): ttfts.get((load, r), []) for r in routes},
-                         f"{family}, {_load_name(load)}: TTFT CDF, all repeats (simulated ms)", "TTFT (ms)"):
-                fam["plots"].append(png.name)
+        # every repeat's TTFTs per load and route, kept as a CDF for `kvroute bench plot`
+        fam["ttft_cdf"] = {load: {route_label(r): cdf(ttfts.get((load, r), [])) for r in routes} for load in loads}
     data["meta"]["took_s"] = time.time() - t_start
     print(write_all(data, args.name, out_dir))
     return 0 if not data["failed_cells"] else 1

@@ -26,31 +26,25 @@ from typing import Protocol
 from proxy import promtext
 
 # A reading arriving this long after a dispatch already shows that request (as KV use or as
-# num_waiting): network + the engine's API front end (tokenizing, image preprocessing). vLLM CPU on the
-# 2-core box counted a request 34-63 ms (p50; max 72) after it was sent, an image one 47 ms
-# (bench/results/2026-12-02-vllm-report-path.md): 0.03 s, which the sims preferred in zipf_hot, would
-# take requests still in vLLM's front end for admitted.
+# num_waiting): network + the engine's API front end (tokenizing, image preprocessing). Measured on vLLM
+# CPU: docs/design/admission.md.
 DISPATCH_VISIBLE_AFTER_S = 0.1
 # Pending dispatches older than this are dropped even without a new reading: by then the
 # worker is stale and its numbers are not trusted anyway.
 DISPATCH_FORGET_AFTER_S = 5.0
 # An engine that reported nothing waiting admits only once every request sent to it since that report is
-# confirmed there (see engine_backlog): by its first output (ADMIT_AFTER_OUTPUT, the default: with 20 Hz reports
-# it cut kv_pressure's TTFT p99 at 95% load by a third, README "The oracles") or by its response head
+# confirmed there (see engine_backlog): by its first output (ADMIT_AFTER_OUTPUT, the default) or by its response head
 # (`admit_after_head`, an ablation knob, off: the sim sends the head once its front end has handed the request to
 # the scheduler; vLLM CPU sent it before its /metrics counted the request), and only while its projected KV usage
 # is at least ADMIT_AFTER_OUTPUT_ABOVE_KV (`admit_above_kv`) or the prompt tokens still to prefill of its requests
 # without output (prefill_backlog) are at least ADMIT_AFTER_OUTPUT_PREFILL_TOKENS (`admit_prefill`): below both, a
 # request sent now starts in the engine's next step, and holding it cannot start it sooner. A newer report
-# confirms too.
+# confirms too. The runs behind each threshold: docs/design/admission.md.
 ADMIT_AFTER_OUTPUT = True
 ADMIT_AFTER_HEAD = False
 ADMIT_AFTER_OUTPUT_ABOVE_KV = 0.9
 # Half of vLLM's default token budget per step for an API server on an H100-class GPU (STEP_TOKENS_ASSUMED, the sim
 # presets' too); scaled by the engine's own budget where its worker reports one (LoadReport.max_num_batched_tokens).
-# Same-run A/B against holding always (bench/results/2026-12-02-quality-closed-open95-admit-prefill-ab.md, 3 repeats):
-# TTFT p99 zipf_hot, lengths and bursts 4-17% lower, kv_pressure 3% higher (8192: 14-16% higher). Holding always
-# added +43..+81 ms to streams' p99 on the overhead bench, 8192 none, 2048 +16 ms (-overhead-admit-prefill-ab.md).
 ADMIT_AFTER_OUTPUT_PREFILL_TOKENS = 4096
 STEP_TOKENS_ASSUMED = 8192
 # KV size assumed for a worker that never said (LMDeploy /nodes/add without a report).

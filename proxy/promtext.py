@@ -3,26 +3,10 @@
 Owns turning exposition text into samples and the reductions those readers share, including THE rule
 for KV usage across data-parallel engines; it does no I/O and imports nothing of the proxy (a leaf).
 
-Format (https://prometheus.io/docs/instrumenting/exposition_formats/): one sample a line,
-`name{label="value",...} value [timestamp_ms]`; `#` lines are HELP/TYPE/comments. Label values are
-quoted and may hold commas, braces and the escapes \\\\, \\" and \\n. Values may be NaN, +Inf, -Inf.
-Every sample keeps its own name (`x_total`, `x_created`, `x_bucket`, ...), as prometheus_client's
-parser writes them in its samples; a malformed line is skipped instead of failing the whole scrape,
-since a worker's /metrics is input we do not control. Names quoted in braces (UTF-8 names of the
-newest format) are skipped too: no engine we read uses them.
-
-KV usage across several label sets (vLLM with data parallelism exports one sample per `engine`
-rank): the worker's usage is the MEAN of its ranks, and its KV capacity is the SUM of theirs.
-- Consistency: the proxy reasons in tokens (projected = usage + pending_tokens / capacity). With
-  capacity summed, only the mean equals used tokens / total tokens (ranks' caches are sized alike:
-  same model, same GPU, same gpu_memory_utilization).
-- Where a new request lands: vLLM's data-parallel front end sends each request to its least-loaded
-  rank, not its fullest. The max would call a worker full while ranks had room and make the proxy
-  hold or deflect work the engine would have admitted (the throttling that issue 9 measured);
-  the min would ignore that ranks drift apart under long requests. The mean sits between them and is
-  exact when ranks are balanced, which is what the front end works toward.
-Counts (running, waiting) and counters are summed over label sets. Non-finite values (NaN, ±Inf)
-say nothing about load and are left out of every reduction here (they stay in the parsed samples).
+A malformed line is skipped instead of failing the whole scrape (a worker's /metrics is input we do not
+control); every sample keeps its own name (`x_total`, `x_bucket`, ...). Across several label sets (vLLM's
+data-parallel ranks) KV usage is the MEAN of the ranks and capacity the SUM, counts and counters are summed,
+and non-finite values are left out of every reduction. Why the mean: docs/design/engines.md.
 """
 
 from __future__ import annotations

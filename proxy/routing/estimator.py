@@ -3,27 +3,13 @@
 Owns learning only (recursive least squares over the proxy's own time-to-first-byte measurements,
 plus what workers report); it makes no decision (kv_cost.py does) and does no I/O.
 
-Per worker w the time to first token, once the request is at the head of w's queue, is modelled as
-
     prefill_s(w) = bias(w) + s_tok(w) x uncached_tokens + s_vis(w) x uncached_media_tokens
 
-bias is the fixed part (HTTP, chat template, scheduling, the first step), s_tok the seconds per
-prompt token prefilled, s_vis the extra seconds per image/video token its vision encoder costs.
-theta = (bias, s_tok, s_vis) is fitted by recursive least squares with forgetting factor
-FORGET on observations  y = measured TTFB - predicted queueing delay,  x = (1, uncached,
-uncached_media), starting from the priors with variance PRIOR_SD^2 against a measurement noise of
-NOISE_SD^2 (so the prior acts as ridge regularisation until observations outweigh it). A worker that reports its own prefill rate
-(prefill_tokens_per_s) adds a pseudo-observation on s_tok; its decode step time (decode_step_s)
-is smoothed directly. `turnover_s` (first token -> completion, how long a request holds its KV)
-is an exponential average of what the proxy measures on streamed requests.
-
-Workers borrow strength from each other: the fleet's pooled theta is an exponential average of
-every informed worker's (starting at the priors), and a worker's effective theta is shrunk
-towards it, own weight n / (n + SHRINK_N) after n measurements (a worker reporting its rate
-counts as SHRINK_N more). A new replica is then priced like its siblings, not as an unknown
-machine, and two similar workers do not look different because of a few noisy early samples
-(the first request on a new connection, say); a residual is also clipped to CLIP x the noise
-plus half the prediction before it updates theta.
+theta = (bias, s_tok, s_vis) is fitted per worker by recursive least squares with forgetting (FORGET),
+starting from priors that act as ridge regularisation, and shrunk towards the fleet's pooled theta
+(SHRINK_N) so a new replica is priced like its siblings; residuals are clipped (CLIP). Reported prefill
+rates and decode step times feed it too; turnover_s is an average of what the proxy measures. The model in
+full: docs/design/decision-model.md.
 """
 
 from __future__ import annotations

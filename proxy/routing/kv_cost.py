@@ -3,65 +3,15 @@
 Owns the decision model in time units; the parameters it uses are learnt in estimator.py and the
 prefix bookkeeping lives in prefix_index.py. It does no I/O and never refuses (admission.py holds).
 
-The model, for a request with P prompt tokens (M of them image/video), expected output O, on a
-candidate worker w whose cache holds its first c tokens (prefix index depth), capacity K tokens:
+    cost(w) = ttft(w) + evict(w) + delay(w)
+    ttft(w) = queue(w) + prefill(w)   # prompts ahead and the wait for KV or a batch slot, then the uncached part
+    evict(w)                          # prefill later requests pay again for hot prefixes this one pushes out of w
+    delay(w)                          # while the fleet queues: this request's prefill work x the requests behind it
 
-    uncached u = P - c;  uncached media m = M x u / P    (the media share of the uncached part)
-    need     n = u + O                                   (KV the request adds there at its peak)
-    committed  = used + pending_kv + W x kv_bar          (reported KV in use, what the proxy sent
-                                                          since that report, what w reports waiting
-                                                          less what finished since)
-
-    queue(w)   = max(0, s_tok x pending_prefill - time since the first of them was sent)
-               + s_tok x W x u_bar                       # prompts ahead of it are prefilled first
-               + max(kv_wait, seq_wait)                  # (after they are admitted: the two add up)
-      kv_wait  = max(0, committed + n - K) / (max(used, kv_bar) / T)   (only while w reports waiters)
-                 # KV frees as running requests finish: `used` tokens turn over every T seconds
-      seq_wait = B x T / max(R, 1)
-                 # w reports requests waiting (B of them still ahead, R running): one starts per
-                 # completion, and completions come R per T seconds
-    prefill(w) = bias + s_tok x u + s_vis x m             # estimator.WorkerModel.prefill_s
-    ttft(w)    = queue(w) + prefill(w)
-
-    evict(w)   = s_tok x clamp(h + n - (K - committed), 0, h),   h = min(hot(w) - c, K - committed)
-                 # hot(w): prefix tokens routed to w at least twice. Its engine evicts least
-                 # recently used free blocks first, so placing n new tokens pushes out hot prefixes
-                 # only once the cold free space is used up; each evicted hot token is prefilled
-                 # again by a later request: that is the time this request costs others.
-
-    delay(w)   = B x (prefill(w) - bias)
-                 # while the fleet queues (B = the most waiting requests a candidate reported, or
-                 # w's own backlog if more) it is saturated: every second of prefill work placed on it is a
-                 # second later for the requests that queue behind, about B of them in steady state. This, not the momentary difference between
-                 # queues (noise of reports 250 ms apart), decides where a saturated fleet spends
-                 # prefill work, so hot prefixes are not copied around because one queue looked
-                 # shorter for an instant.
-
-    cost(w)    = ttft(w) + evict(w) + delay(w)
-
-    Tried and dropped (2026-12-01): pricing the KV that running requests' remaining output would push
-    past the capacity as recompute did not reduce kv_cost's preemptions in the lengths family (22-40 per
-    1000 requests, kv_aware's 15-17).
-
-The request goes to the lowest cost. Costs within RESOLUTION_S of each other are equal (the
-model is not more precise than that); ties go to the lowest projected KV usage (less preemption
-risk, faster decode steps), then fewest in flight, then at random. T (first token -> completion)
-is measured per worker, or O x the decode step time before that; u_bar, kv_bar are the mean
-prefill / KV tokens of recent requests sent to w; s_tok, s_vis, bias are learnt online
-(estimator.py). Every term is a time, so nothing needs a hand-tuned weight.
-
-Locality is explicit: a prompt whose prefix w holds is cheaper there by s_tok x c, and a cold
-prompt is dearer on a worker full of hot prefixes by evict(w). So a hot prefix stays with its
-owner until the owner's queue costs more than prefilling the prefix again elsewhere; then it is
-replicated on purpose (reason "replica"), never because of a tie. While the fleet is saturated,
-delay(w) makes that happen only when the owner's queue drains slower (T / R per request ahead)
-than the prefix is prefilled elsewhere: otherwise the copy would cost the fleet more than it saves.
-
-Scale: with more than SHORTLIST_ABOVE candidates only SHORTLIST random ones (power-of-d choices)
-plus every worker the prefix index names are scored, so a decision costs O(SHORTLIST + holders).
-Scoring one is arithmetic only: its load is read from a snapshot kept until its next event
-(loadview.LoadSnapshot), its parameters from the estimator's cache. A retry (select_from with tried
-workers) draws from the roster's list and passes over the tried ones, instead of copying the list.
+Every term is a time learnt per worker, so nothing needs a hand-tuned weight. Costs within RESOLUTION_S are
+equal (then lowest projected KV usage, fewest in flight, random). A hot prefix stays with its owner until a
+copy is predicted faster (reason "replica"). Above SHORTLIST_ABOVE candidates, SHORTLIST random ones plus the
+prefix holders are scored. Each term's formula and why: docs/design/decision-model.md.
 """
 
 from __future__ import annotations

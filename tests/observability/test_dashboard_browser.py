@@ -2,7 +2,7 @@
 
 The page loads without a console error, lists every live worker, and a worker's KV bar moves
 when load arrives. A screenshot under load is saved as a test artifact (KVROUTE_ARTIFACTS, default
-./.artifacts/); KVROUTE_UPDATE_DOCS=1 also writes it to docs/dashboard.png for the README.
+./.artifacts/), never into the repository (no picture is tracked).
 A missing Chromium fails this test: `make system-deps` installs it.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import threading
 from pathlib import Path
 
@@ -103,8 +102,6 @@ def test_dashboard_in_chromium_lists_workers_and_shows_kv_under_load(procs, tmp_
                     30.0, 0.2, "the model's req/s to show traffic")
                 shot = browser.screenshot(_artifact_dir() / "dashboard-under-load.png")
             assert shot.stat().st_size > 10_000
-            if os.environ.get("KVROUTE_UPDATE_DOCS") == "1":
-                shutil.copyfile(shot, REPO / "docs" / "dashboard.png")
 
             # Admin actions only with the admin token (the one `kvroute proxy` made, on loopback too);
             # drain goes through POST /workers/{id}/drain.

@@ -1,4 +1,4 @@
-"""deploy/grafana/kvroute.json asks only for metrics that exist, and README.md documents every kvroute: metric.
+"""deploy/grafana/kvroute.json asks only for metrics that exist, and docs/observability.md documents every kvroute: metric.
 
 The kvroute: side is checked against the /metrics of a real running proxy (`kvroute up` with one sim
 worker, after one request). The vllm: side is checked against tests/data/vllm_metrics.txt: the /metrics
@@ -82,10 +82,10 @@ def test_every_grafana_query_names_metrics_that_real_metrics_output_has(procs, t
     missing = sorted(n for n in used if n not in (proxy if n.startswith("kvroute:") else vllm))
     assert missing == [], f"the board queries metrics that no real /metrics has: {missing}"
 
-    # README.md's Metrics section names every kvroute: family the proxy exposes.
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    # docs/observability.md's Metrics section names every kvroute: family the proxy exposes.
+    manual = (REPO / "docs" / "observability.md").read_text()
+    section = manual.split("## Metrics", 1)[1].split("\n## ", 1)[0]
     undocumented = sorted({family for family in proxy.values() if family.startswith("kvroute:")
                            and not family.endswith("_created")  # a counter's creation time, documented once
                            and f"`{family}" not in section})
-    assert undocumented == [], f"README.md's Metrics section misses {undocumented}"
+    assert undocumented == [], f"docs/observability.md's Metrics section misses {undocumented}"

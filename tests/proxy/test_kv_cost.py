@@ -50,7 +50,7 @@ def send(pol, workers, req, now=NOW):
 
 
 def test_kv_cost_is_opt_in_and_the_default_has_no_kv_gate():
-    # kv_aware stays the default until kv_cost wins `kvroute bench quality` (README Performance).
+    # kv_aware stays the default until kv_cost wins `kvroute bench quality` (docs/design/quality-runs.md).
     from proxy.config import ProxyConfig, parse_config
 
     assert ProxyConfig().policy == "kv_aware" and ProxyConfig().kv_high_water == 1.0
