@@ -19,12 +19,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+from backends.sim.presets import get_preset
 from bench.fleet import Fleet, SimWorkerSpec, default_policy, start_router
 from bench.loadgen import LoadGenerator, RunResult, summarize
 from bench.quality_report import headline, load_name, render
 from bench.report import environment_note, fmt, ms, plot_cdfs, results_path, write_json
 from bench.tails import cold_start, save_requests, ttft_p99_after_first_wave
-from bench.workloads import DEFAULT_REQUESTS, FAMILIES, KINDS, Workload, load_or_generate
+from bench.traces import (
+    DEFAULT_DURATION_S,
+    TRACE_DIR,
+    TRACE_FAMILIES,
+    BlockVocabulary,
+    TraceWorkload,
+    family_for_path,
+    load_window,
+    trace_path,
+)
+from bench.workloads import DEFAULT_REQUESTS, FAMILIES, KINDS, MODEL_A, Workload, load_or_generate
 
 ROUTES = ("kvroute:default", "kvroute:kv_aware", "kvroute:round_robin", "oracle",
           "sglang-router:cache_aware", "sglang-router:power_of_two",
@@ -44,7 +55,7 @@ def route_label(route: str) -> str:
     return f"kvroute:default ({default_policy()})" if route == "kvroute:default" else route
 
 
-def fleet_specs(w: Workload, workers: int, time_scale: float, preset: str, kv_tokens: int | None) -> list[SimWorkerSpec]:
+def fleet_specs(w: Workload | TraceWorkload, workers: int, time_scale: float, preset: str, kv_tokens: int | None) -> list[SimWorkerSpec]:
     extra = ["--kv-capacity-tokens", str(kv_tokens or w.kv_tokens)]
     return [SimWorkerSpec(model=m, preset=preset, time_scale=time_scale, extra=extra)
             for m in w.worker_models_for(workers)]
@@ -78,7 +89,7 @@ def run_load(target: Any, specs: list, load: str, concurrency: int) -> RunResult
     return asyncio.run(gen.open_loop(specs))
 
 
-def run_cell(args: argparse.Namespace, w: Workload, route: str, load: str, rate_wall: float, salt: str,
+def run_cell(args: argparse.Namespace, w: Workload | TraceWorkload, route: str, load: str, rate_wall: float, salt: str,
              log_dir: Path) -> dict[str, Any]:
     """One (route, load) run on a fresh fleet; times in simulated seconds."""
     kind, _, policy = route.partition(":")
@@ -127,7 +138,7 @@ def _oracle_stats(url: str) -> dict[str, Any] | None:
     return json.loads(body) if status == 200 else None
 
 
-def calibrate(args: argparse.Namespace, w: Workload, log_dir: Path) -> tuple[float, dict[str, float]]:
+def calibrate(args: argparse.Namespace, w: Workload | TraceWorkload, log_dir: Path) -> tuple[float, dict[str, float]]:
     """Fleet capacity for this family in requests per wall second: the highest steady-state throughput
     (completions between the 20th and 80th percentile finish times) of a closed loop through each of
     `--calibrate-routes`, so offered loads are fractions of what the best of them sustains, not of what
@@ -143,7 +154,7 @@ def calibrate(args: argparse.Namespace, w: Workload, log_dir: Path) -> tuple[flo
     return max(per_route.values()), per_route
 
 
-def _calibrate_one(args: argparse.Namespace, w: Workload, route: str, log_dir: Path) -> float:
+def _calibrate_one(args: argparse.Namespace, w: Workload | TraceWorkload, route: str, log_dir: Path) -> float:
     kind, _, policy = route.partition(":")
     with Fleet(log_dir, fleet_specs(w, args.workers, args.time_scale, args.preset, args.kv_tokens)) as fleet:
         router = None if kind == "direct" else start_router(kind, policy, fleet)
@@ -164,13 +175,16 @@ def _calibrate_one(args: argparse.Namespace, w: Workload, route: str, log_dir: P
 
 # ---- command line --------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--families", default=",".join(KINDS), help=f"comma-separated, from {', '.join(KINDS)}")
+    p.add_argument("--families", default=None,
+                   help=f"comma-separated, from {', '.join(KINDS + tuple(TRACE_FAMILIES))} (default: all, the trace "
+                        f"families whose file is in --trace-dir; with --trace: only those traces)")
     p.add_argument("--loads", default=",".join(LOADS), help="'closed' and/or fractions of measured capacity")
     p.add_argument("--routes", default=",".join(ROUTES),
                    help="comma-separated kind:policy; kind kvroute (policy 'default' = ProxyConfig's), oracle (policy ttft, kv_aware or kv_aware_owner), "
                         "direct (client-side round robin) or a peer (sglang-router, vllm-router, lmdeploy)")
     p.add_argument("--repeats", type=int, default=REPEATS)
-    p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS, help="requests per cell")
+    p.add_argument("--requests", type=int, default=None,
+                   help=f"requests per cell (default {DEFAULT_REQUESTS}; a trace family: its whole window)")
     p.add_argument("--workers", type=int, default=WORKERS)
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="sim time scale; >1 makes report-driven routing see staler state (interval x scale)")
@@ -190,6 +204,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warm", action="store_true",
                    help="before each cell, send every shared prefix once (one token, not measured): steady state, "
                         "without the cold first uses")
+    p.add_argument("--trace", type=Path, action="append", default=[], metavar="FILE",
+                   help="replay this Mooncake-format trace (JSON lines: timestamp ms, input_length, output_length, "
+                        "hash_ids of 512-token blocks) as family trace_<name>; repeatable")
+    p.add_argument("--trace-dir", type=Path, default=TRACE_DIR,
+                   help="where the trace_* families' files are (Mooncake's FAST25-release/traces/ names)")
+    p.add_argument("--trace-start", type=float, default=0.0, help="trace window: seconds into the trace")
+    p.add_argument("--trace-duration", type=float, default=DEFAULT_DURATION_S,
+                   help="trace window: its length in the trace's own seconds (0: to the end)")
+    p.add_argument("--trace-tokenizer", type=Path, default=None, metavar="PATH",
+                   help="render trace blocks with words that are one token in this tokenizer.json (or model dir) "
+                        "too, not only in the sim's: prompts exact for a real engine serving that model")
     p.add_argument("--save-requests", type=Path, default=None, metavar="FILE",
                    help="append each request's tag, worker, TTFT and latency (JSON lines) to FILE")
     p.add_argument("--render", type=Path, default=None, help="only regenerate the markdown from this JSON file")
@@ -211,15 +236,13 @@ def run(args: argparse.Namespace) -> int:
         args.render.with_suffix(".md").write_text(render(data))
         print(args.render.with_suffix(".md"))
         return 0
-    families = [f for f in args.families.split(",") if f]
+    families, trace_files = select_families(args)
     loads = [x.strip() for x in args.loads.split(",") if x.strip()]
     routes = [r for r in args.routes.split(",") if r]
-    for f in families:
-        if f not in FAMILIES:
-            raise SystemExit(f"unknown family {f!r}; known: {', '.join(KINDS)}")
     if args.name is None:
-        args.name = "quality-matrix" + ("" if set(families) == set(KINDS) else "-" + "+".join(families))
-    quick = is_quick(args.requests, args.repeats)
+        args.name = "quality-matrix" + ("" if args.families is None and not args.trace else "-" + "+".join(families))
+    quick = is_quick(args.requests or DEFAULT_REQUESTS, args.repeats) or \
+        bool(trace_files and 0 < args.trace_duration < DEFAULT_DURATION_S)
     out_dir = args.out_dir or (QUICK_DIR if quick else None)
     import shlex
     import sys
@@ -227,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
     data: dict[str, Any] = {"meta": {
         "quick": quick, "environment": environment_note(), "command": "kvroute bench quality " +
         shlex.join(sys.argv[sys.argv.index("quality") + 1:] if "quality" in sys.argv else sys.argv[1:]),
-        "workers": args.workers, "preset": args.preset, "time_scale": args.time_scale, "requests": args.requests,
+        "workers": args.workers, "preset": args.preset, "time_scale": args.time_scale,
+        "requests": args.requests or DEFAULT_REQUESTS,
         "repeats": args.repeats, "closed_clients": args.closed_clients, "calibrate_routes": args.calibrate_routes,
         "ttft_slo": args.ttft_slo, "default_policy": default_policy(), "warm": args.warm, "families": {}, "took_s": 0.0},
         "rows": [], "failed_cells": []}
@@ -235,10 +259,18 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.time()
     total = len(families) * len(routes) * len(loads) * args.repeats
     done_cells = 0
+    vocab = BlockVocabulary(args.trace_tokenizer) if trace_files else None
     for family in families:
-        w = load_or_generate(family, args.seed, max(args.requests, DEFAULT_REQUESTS))
+        try:
+            w = family_workload(args, family, trace_files, vocab)
+        except (OSError, ValueError) as exc:  # a trace file missing or malformed: the other families still run
+            print(f"[quality] {family}: not run: {exc}", flush=True)
+            data["failed_cells"].append(f"{family}: {exc}")
+            continue
         fam: dict[str, Any] = {"kv_tokens": args.kv_tokens or w.kv_tokens,
                                "shared_prefix_tokens": w.shared_prefix_tokens(), "plots": []}
+        if isinstance(w, TraceWorkload):
+            fam.update(w.meta(), note=w.note, loads=loads)
         data["meta"]["families"][family] = fam
         capacity_wall = None
         if any(x != "closed" for x in loads):
@@ -264,6 +296,9 @@ def run(args: argparse.Namespace) -> int:
                         done_cells += 1
                     ttfts.setdefault((load, route), []).extend(row.pop("ttfts"))
                     row.update(family=family, repeat=rep, label=route_label(route))
+                    if isinstance(w, TraceWorkload):  # the trace, its window and how much faster it was replayed
+                        row.update(w.meta(), trace_speedup=None if rate is None else
+                                   rate / args.time_scale / w.native_rate)
                     data["rows"].append(row)
                     eta = (time.time() - t_start) / done_cells * (total - done_cells)
                     extra = "" if not row.get("oracle") else \
@@ -285,6 +320,44 @@ def run(args: argparse.Namespace) -> int:
     data["meta"]["took_s"] = time.time() - t_start
     print(write_all(data, args.name, out_dir))
     return 0 if not data["failed_cells"] else 1
+
+
+def select_families(args: argparse.Namespace) -> tuple[list[str], dict[str, Path]]:
+    """The families to run, and the trace file of each trace family. By default every generated family and every
+    trace family whose file is in --trace-dir (a missing one is named, with how to get it); with --trace only
+    those files, unless --families names more."""
+    trace_files = {family_for_path(p): p for p in args.trace}
+    if args.families is None and trace_files:
+        return list(trace_files), trace_files
+    if args.families is None:
+        present = [f for f in TRACE_FAMILIES if trace_path(f, args.trace_dir).exists()]
+        for f in TRACE_FAMILIES:
+            if f not in present:
+                print(f"[quality] {f} left out: no {trace_path(f, args.trace_dir)} (bench/README.md says how to "
+                      f"get it)", flush=True)
+        families = [*KINDS, *present]
+    else:
+        families = [f for f in args.families.split(",") if f]
+    for f in families:
+        if f in TRACE_FAMILIES:
+            trace_files.setdefault(f, trace_path(f, args.trace_dir))
+        elif f not in FAMILIES and f not in trace_files:
+            raise SystemExit(f"unknown family {f!r}; known: {', '.join(KINDS + tuple(TRACE_FAMILIES))}, or a "
+                             f"trace_* family of a --trace file")
+    return families, trace_files
+
+
+def family_workload(args: argparse.Namespace, family: str, trace_files: dict[str, Path],
+                    vocab: BlockVocabulary | None) -> Workload | TraceWorkload:
+    """A generated family's saved workload, or a trace family's window (requests that fit the engines' context)."""
+    if family not in trace_files:
+        return load_or_generate(family, args.seed, max(args.requests or 0, DEFAULT_REQUESTS))
+    preset = get_preset(args.preset)
+    # the preset's own KV: a trace's reusable blocks already overflow one worker's cache (bench/README.md)
+    kv_tokens = args.kv_tokens or preset.kv_capacity_tokens
+    max_context = min(preset.max_model_len, kv_tokens // preset.block_size * preset.block_size)
+    return load_window(family, trace_files[family], args.trace_start, args.trace_duration or None, max_context,
+                       kv_tokens, MODEL_A, vocab or BlockVocabulary())
 
 
 def write_all(data: dict[str, Any], name: str, out_dir: Path | None) -> str:

@@ -139,16 +139,46 @@ def load_name(load: str) -> str:
     return "closed loop" if load == "closed" else f"{float(load) * 100:.0f}%"
 
 
+def families_in(aggs: list[dict[str, Any]]) -> list[str]:
+    """The families present, generated ones first in issue 9's order, then the traces in run order."""
+    present = list(dict.fromkeys(a["family"] for a in aggs))
+    return [f for f in KINDS if f in present] + [f for f in present if f not in KINDS]
+
+
+def family_title(family: str, fam: dict[str, Any]) -> str:
+    if family in FAMILIES:
+        return f"({FAMILIES[family][0]}) {family}: {FAMILIES[family][1]}"
+    return f"{family}: {fam.get('note') or 'a replayed trace'}"
+
+
+def trace_note(fam: dict[str, Any]) -> str:
+    """Which trace and window a trace family replayed, and how much faster each load played it."""
+    start, duration = fam["trace_start_s"], fam["trace_duration_s"]
+    text = (f"Trace `{fam['trace']}` (sha256 `{fam['trace_sha256']}`), window {start:g}-{start + duration:g} s: "
+            f"{fam['trace_requests']} requests, {fam['trace_rate']:.2f} req/s as recorded")
+    if fam.get("trace_skipped_over_context"):
+        text += f" ({fam['trace_skipped_over_context']} more were longer than the engines' context and left out)"
+    text += ("; each a streamed /v1/completions request with the trace's input length (its 512-token blocks "
+             "rendered as text) and output length. Open loop: the window's arrival times compressed to the load")
+    if fam.get("capacity") and fam.get("loads"):
+        text += " (" + ", ".join(f"{load_name(x)} = {fam['capacity'] * float(x) / fam['trace_rate']:.2f}x"
+                                 for x in fam["loads"] if x != "closed") + ")"
+    return text + ".\n"
+
+
 def render(data: dict[str, Any]) -> str:
     meta, aggs = data["meta"], aggregate(data["rows"])
     out = [f"# Routing quality matrix{' (QUICK RUN: NOT MEANINGFUL)' if meta['quick'] else ''}\n"]
     if meta["quick"]:
-        out.append("**Quick run** (fewer than 1000 requests per cell or fewer than 3 repeats): the figures below "
+        out.append("**Quick run** (fewer than 1000 requests per cell, a trace window under 300 s, or fewer than 3 "
+                   "repeats): the figures below "
                    "show that the bench runs, not how the routers compare.\n")
+    window = " (a trace family: its window)" if any(f.get("trace") for f in meta["families"].values()) else ""
     out.append(f"{meta['environment']}; run took {meta['took_s']:.0f} s. Command: `{meta['command']}`\n")
     out.append(f"Fleet per cell (fresh sim processes every cell): {meta['workers']} sim workers, preset "
                f"{meta['preset']}, time scale {meta['time_scale']} (times are simulated seconds), KV per worker as "
-               f"the family sets it. {meta['requests']} requests per cell, {meta['repeats']} repeats; figures are "
+               f"the family sets it. {meta['requests']} requests per cell{window}, "
+               f"{meta['repeats']} repeats; figures are "
                f"the mean with (min-max) over repeats. Closed loop: {meta['closed_clients']} clients per worker, "
                f"the figure of merit is the makespan. Open loop: Poisson (or bursty) arrivals at the given fraction "
                f"of capacity = the best steady-state closed-loop throughput among `{meta['calibrate_routes']}`. "
@@ -173,9 +203,11 @@ def render(data: dict[str, Any]) -> str:
         out.append("## kvroute default vs issue 9's bar (best peer; oracle)\n")
         out.append(md_table(["family", "load", "verdict"], v))
         out.append("")
-    for family in [f for f in KINDS if any(a["family"] == f for a in aggs)]:
+    for family in families_in(aggs):
         fam = meta["families"].get(family, {})
-        out.append(f"## ({FAMILIES[family][0]}) {family}: {FAMILIES[family][1]}\n")
+        out.append(f"## {family_title(family, fam)}\n")
+        if fam.get("trace"):
+            out.append(trace_note(fam))
         out.append(f"KV per worker {fam.get('kv_tokens')} tokens; shared prefixes {fam.get('shared_prefix_tokens')} "
                    f"tokens; capacity {fmt(fam.get('capacity'), ' req/s', 2)} (simulated; by calibration route: "
                    f"{', '.join(f'{r} {c:.2f}' for r, c in fam.get('capacity_by_route', {}).items()) or '-'}).\n")
@@ -213,7 +245,7 @@ def headline(data: dict[str, Any]) -> str:
     aggs = aggregate(data["rows"])
     meta = data["meta"]
     rows = []
-    for family in [f for f in KINDS if any(a["family"] == f for a in aggs)]:
+    for family in families_in(aggs):
         for load in sorted({a["load"] for a in aggs if a["family"] == family}, key=lambda x: (x != "closed", x)):
             cell = [a for a in aggs if a["family"] == family and a["load"] == load]
             mine = next((a for a in cell if a["route"] == "kvroute:default"), None)
