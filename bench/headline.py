@@ -40,7 +40,7 @@ def _provenance(stem: str, results: Path) -> str:
 
 # ---- quality ---------------------------------------------------------------------------------------
 def _aggs(data: dict[str, Any]) -> list[dict[str, Any]]:
-    from bench.quality import aggregate
+    from bench.quality_report import aggregate
 
     order = {f: i for i, f in enumerate(data["meta"]["families"])}
     return sorted(aggregate(data["rows"]), key=lambda a: (order.get(a["family"], 99), a["load"] != "closed",
@@ -49,19 +49,19 @@ def _aggs(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _cell(a: dict[str, Any], m: str, scale: float = 1.0, digits: int = 0, unit: str = "") -> str:
     """bench.quality's cell, mean (min-max), without a range whose ends round to the same figure."""
-    from bench.quality import _cell as cell
+    from bench.quality_report import metric_cell as cell
 
     return re.sub(r" \(([^()]+)-\1\)$", "", cell(a, m, scale, digits, unit))
 
 
 def quality_table(data: dict[str, Any], cold: bool = False) -> str:
     """Every (family, load, route) of a quality result: mean (min-max) over its repeats, as its markdown has it."""
-    from bench.quality import _load_name
+    from bench.quality_report import load_name
 
     rows, last = [], None
     for a in _aggs(data):
         key = (a["family"], a["load"])
-        head = [a["family"], _load_name(a["load"])] if key != last else ["", ""]
+        head = [a["family"], load_name(a["load"])] if key != last else ["", ""]
         last = key
         rate = _cell(a, "makespan_s", digits=1) + " s" if a["load"] == "closed" else _cell(a, "req_per_s", digits=2)
         if cold:
@@ -81,7 +81,7 @@ def quality_table(data: dict[str, Any], cold: bool = False) -> str:
 
 
 def quality_verdicts(data: dict[str, Any]) -> str:
-    from bench.quality import verdicts
+    from bench.quality_report import verdicts
 
     return md_table(["family", "load", "verdict"], verdicts(_aggs(data)))
 
@@ -261,14 +261,15 @@ def _fig(text: str, stem: str) -> str:
 
 def _best_peer(cell: list[dict[str, Any]], metric: str, lowest: bool) -> dict[str, Any] | None:
     """The peer route with the best mean among those that failed and refused nothing."""
-    from bench.quality import _lost, _mean
+    from bench.quality_report import lost_share, metric_mean
 
-    ok = [a for a in cell if a["route"].split(":")[0] in PEERS and not _lost(a) and _mean(a, metric) is not None]
-    return (min if lowest else max)(ok, key=lambda a: _mean(a, metric) or 0.0, default=None)
+    ok = [a for a in cell
+          if a["route"].split(":")[0] in PEERS and not lost_share(a) and metric_mean(a, metric) is not None]
+    return (min if lowest else max)(ok, key=lambda a: metric_mean(a, metric) or 0.0, default=None)
 
 
 def _quality_summary(results: Path) -> str:
-    from bench.quality import _mean
+    from bench.quality_report import metric_mean
 
     closed_stem = "2026-12-02-quality-closed-peers-prefill-admission"
     open_stems = ("2026-12-02-quality-open95-peers-prefill-admission",
@@ -285,8 +286,8 @@ def _quality_summary(results: Path) -> str:
             mine = next((a for a in aggs if a["route"] == "kvroute:default"), None)
             best = _best_peer(aggs, metric, lowest=True)
             digits = 1 if metric == "makespan_s" else 0
-            row.append(_fig(f"{_mean(mine, metric) * scale:.{digits}f}{unit}", stem) if mine else "-")
-            row.append(_fig(f"{_mean(best, metric) * scale:.{digits}f}{unit}", stem) + f" ({best['route']})"
+            row.append(_fig(f"{metric_mean(mine, metric) * scale:.{digits}f}{unit}", stem) if mine else "-")
+            row.append(_fig(f"{metric_mean(best, metric) * scale:.{digits}f}{unit}", stem) + f" ({best['route']})"
                        if best else "-")
         rows.append(row)
     return md_table(["family", "closed loop makespan: kvroute", "best peer that served all",

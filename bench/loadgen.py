@@ -45,7 +45,7 @@ class Result:
     status: int  # HTTP status; 0 when no response came (connect error, timeout)
     sent_at: float  # seconds since the run's start
     latency_s: float  # until the last byte (or the failure)
-    ttft_s: float | None = None  # until the first content chunk (streams) or the full body
+    ttft_s: float | None = None  # until the chunk with the first generated token (streams only)
     worker: str | None = None  # x-kvroute-worker, or the direct target URL
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -105,8 +105,24 @@ def _usage(obj: dict[str, Any], res: Result) -> None:
     res.completion_tokens = int(usage.get("completion_tokens") or res.completion_tokens)
 
 
+def carries_token(chunk: dict[str, Any]) -> bool:
+    """Whether an SSE chunk carries a generated token: a completion's text (even empty: a token can decode to
+    nothing), or a chat delta other than the role-only one vLLM opens its stream with (it sends that one with
+    the first token, but a router or engine may send it earlier)."""
+    choices = chunk.get("choices") or []
+    if not choices:
+        return False  # the usage chunk
+    choice = choices[0]
+    if "text" in choice:
+        return True
+    delta = choice.get("delta") or {}
+    if "role" in delta and not delta.get("content"):
+        return False
+    return bool(delta) or choice.get("finish_reason") is not None
+
+
 async def _consume_stream(resp: aiohttp.ClientResponse, res: Result, t0: float) -> None:
-    """Read SSE events; TTFT is the first event carrying generated text."""
+    """Read SSE events; TTFT is the first event carrying a generated token."""
     chunks = 0
     buf = b""
     async for data in resp.content.iter_any():
@@ -127,9 +143,7 @@ async def _consume_stream(resp: aiohttp.ClientResponse, res: Result, t0: float) 
                 res.error = str(obj["error"])[:200]
             if obj.get("error_code"):
                 res.error = f"error_code {obj['error_code']}"
-            choices = obj.get("choices") or []
-            # the role-only first chunk comes before any token is made: TTFT waits for text
-            if choices and (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")):
+            if carries_token(obj):
                 chunks += 1
                 if res.ttft_s is None:
                     res.ttft_s = time.perf_counter() - t0
@@ -202,8 +216,7 @@ class LoadGenerator:
                 elif spec.stream:
                     await _consume_stream(resp, res, t0)
                 else:
-                    raw = await resp.read()
-                    res.ttft_s = time.perf_counter() - t0
+                    raw = await resp.read()  # no token is seen before the whole answer: no TTFT
                     obj = orjson.loads(raw)
                     if "error" in obj or obj.get("error_code"):
                         res.error = str(obj.get("error") or obj.get("error_code"))[:200]

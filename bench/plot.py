@@ -88,7 +88,7 @@ def plot_quality(data: dict[str, Any], out: Path, stem: str) -> list[Path]:
             written.append(path)
     if written:
         return written
-    from bench.quality import aggregate
+    from bench.quality_report import aggregate
 
     aggs = aggregate(data["rows"])
     for family, load in dict.fromkeys((a["family"], a["load"]) for a in aggs):

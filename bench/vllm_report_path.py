@@ -34,6 +34,7 @@ from typing import Any
 import aiohttp
 
 from backends.engines.vllm import METRIC_NAMES, RUNNING, WAITING
+from bench.loadgen import carries_token
 from bench.procstat import ProcessTree
 from bench.report import environment_note, results_path
 from bench.sim_vs_vllm_cpu import MODEL, REPO, VLLM_ENGINE_ARGS, Worker
@@ -111,8 +112,9 @@ async def front_end_delay(session: aiohttp.ClientSession, url: str, bodies: list
                 marks["head"] = time.monotonic()
                 if resp.status != 200:
                     raise RuntimeError(f"the engine answered {resp.status}: {(await resp.text())[:300]}")
-                async for _ in resp.content.iter_any():
-                    marks.setdefault("first", time.monotonic())
+                async for line in resp.content:  # the first token's chunk, not the first bytes
+                    if line.startswith(b"data: {") and carries_token(json.loads(line[6:])):
+                        marks.setdefault("first", time.monotonic())
 
         t0 = time.monotonic()
         task = asyncio.create_task(send())

@@ -62,7 +62,6 @@ class SimEngine:
         self.step_listeners: list[Callable[[], None]] = []  # called after each step's tokens are delivered
         self.num_enqueued = 0  # requests that reached the scheduler (past the front end)
         self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
-        self._in_front_end: dict[str, asyncio.Future[None]] = {}  # requests the front end has not handed on yet
         self._t0 = time.monotonic()
         self._sim_clock = 0.0
         self._frontend_free_at = 0.0  # simulated time the API front end finishes its current request
@@ -102,23 +101,10 @@ class SimEngine:
             return queue
         # one front end, first come first served: a request also waits for the ones before it
         ready = self._frontend_free_at = max(self._frontend_free_at, now) + frontend
-        loop = asyncio.get_running_loop()
-        self._in_front_end[request.request_id] = loop.create_future()
-        loop.call_later((ready - now) / self.time_scale, self._enqueue, request)
+        asyncio.get_running_loop().call_later((ready - now) / self.time_scale, self._enqueue, request)
         return queue
 
-    async def past_front_end(self, request: SimRequest) -> None:
-        """Wait until the front end has handed the request to the scheduler (or it was aborted): where the sim
-        starts the response (vLLM CPU starts it earlier, before its /metrics count the request:
-        bench/results/2026-12-02-vllm-report-path.md)."""
-        future = self._in_front_end.get(request.request_id)
-        if future is not None:
-            await asyncio.shield(future)
-
     def _enqueue(self, request: SimRequest) -> None:
-        future = self._in_front_end.pop(request.request_id, None)
-        if future is not None and not future.done():
-            future.set_result(None)
         if request.finished:  # aborted while the front end had it
             return
         self.num_enqueued += 1

@@ -50,6 +50,7 @@ class ParsedRequest:
     include_usage: bool
     continuous_usage: bool  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     seed: int
+    response_role: str = "assistant"  # a chat stream's first delta: the last message's role without a generation prompt
 
 
 def _positive_int(body: dict[str, Any], name: str) -> int | None:
@@ -83,7 +84,9 @@ def parse_request(body: Any, kind: str, served_model: str, max_model_len: int, d
                 raise ApiError(400, "Cannot set `continue_final_message` to True when the last message is not "
                                     "from the assistant.", param="messages")
             prompt = chat_prompt(messages, add_generation_prompt, continue_final)
+            response_role = "assistant" if add_generation_prompt else str(messages[-1].get("role", "assistant"))
         else:
+            response_role = "assistant"
             raw = body.get("prompt")
             if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
                 raw = raw[0]  # a batch of one
@@ -115,7 +118,7 @@ def parse_request(body: Any, kind: str, served_model: str, max_model_len: int, d
                          include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
                          continuous_usage=bool(isinstance(options, dict) and options.get("include_usage")
                                                and options.get("continuous_usage_stats")),
-                         seed=seed)
+                         seed=seed, response_role=response_role)
 
 
 def new_request_id(kind: str) -> str:
@@ -142,12 +145,16 @@ class ResponseBuilder:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.parsed.model,
                 "choices": choices}
 
-    def role_chunk(self) -> dict[str, Any] | None:
-        """vLLM opens a chat stream with the assistant role and empty content."""
+    def role_chunk(self, prompt_tokens: int | None = None) -> dict[str, Any] | None:
+        """vLLM opens a chat stream with the role and empty content, when the engine's first output arrives
+        (a chunk of its own, with continuous usage counting no completion token yet)."""
         if not self.chat:
             return None
-        return self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None, "finish_reason": None}])
+        chunk = self._envelope([{"index": 0, "delta": {"role": self.parsed.response_role, "content": ""},
+                                 "logprobs": None, "finish_reason": None}])
+        if prompt_tokens is not None:
+            chunk["usage"] = usage(prompt_tokens, 0)
+        return chunk
 
     def token_chunk(self, text: str, finish_reason: str | None,
                     running_usage: tuple[int, int] | None = None) -> dict[str, Any]:

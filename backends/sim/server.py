@@ -51,6 +51,10 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
+def _sse(chunk: dict[str, Any] | None) -> bytes:
+    return b"" if chunk is None else b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
 def _error(status: int, message: str, err_type: str, param: str | None = None) -> web.Response:
     return _json(error_body(status, message, err_type, param), status)
 
@@ -219,26 +223,28 @@ class SimServer:
 
     async def _stream(self, request: web.Request, parsed: ParsedRequest, builder: ResponseBuilder,
                       sim_request: SimRequest, queue: asyncio.Queue) -> web.StreamResponse:
+        # vLLM answers with its head before the engine has the request, and sends its first chunk (the role)
+        # only when the engine's first output, the first token, arrives: a client timing the first chunk
+        # sees the engine's TTFT
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await self.engine.past_front_end(sim_request)  # the head goes out once preprocessing is done (vLLM CPU: earlier)
         await response.prepare(request)
-
-        async def send(chunk: dict[str, Any] | None) -> None:
-            if chunk is not None:
-                await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-
+        prompt_tokens = sim_request.num_prompt_tokens
         try:
-            await send(builder.role_chunk())
             sent = 0
             while True:
                 event = await queue.get()
+                data = b""
+                if sent == 0:
+                    data = _sse(builder.role_chunk(prompt_tokens if parsed.continuous_usage else None))
                 sent += 1
-                running = (sim_request.num_prompt_tokens, sent) if parsed.continuous_usage else None
-                await send(builder.token_chunk(event.text, parsed.finish_reason if event.finished else None, running))
+                running = (prompt_tokens, sent) if parsed.continuous_usage else None
+                data += _sse(builder.token_chunk(event.text, parsed.finish_reason if event.finished else None,
+                                                 running))
+                await response.write(data)
                 if event.finished:
                     break
             if parsed.include_usage:
-                await send(builder.usage_chunk(sim_request.num_prompt_tokens, sim_request.num_output_tokens))
+                await response.write(_sse(builder.usage_chunk(prompt_tokens, sim_request.num_output_tokens)))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except ConnectionResetError:  # the client left mid-stream: the caller aborts the request

@@ -6,6 +6,7 @@ not judge speed (the full benchmark runs do that, outside `make test`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -102,4 +103,30 @@ def test_quality_smoke_runs_sessions_through_kvroute_and_the_oracle_on_fresh_fle
     assert not list(tmp_path.glob("*.png"))  # the TTFT CDFs are in the JSON, for `kvroute bench plot`
     cdfs = data["meta"]["families"]["sessions"]["ttft_cdf"]["0.8"]
     assert set(cdfs) == {r["label"] for r in data["rows"]} and all(len(c) == len(CDF_QUANTILES) for c in cdfs.values())
+    wait_until(lambda: not _processes_marked(str(tmp_path)), 10, 0.2, "the bench's processes to be gone")
+
+
+@pytest.mark.timeout(200)
+def test_quality_smoke_replays_a_trace_window_open_loop_and_names_it_in_every_row(procs, tmp_path):
+    trace = Path(__file__).resolve().parents[2] / "bench" / "data" / "tiny_trace.jsonl"
+    _run_bench(procs, tmp_path, "quality", "--trace", str(trace), "--trace-start", "2", "--trace-duration", "16",
+               "--loads", "0.8", "--routes", "kvroute:default", "--repeats", "1", "--workers", "2",
+               "--closed-clients", "4", "--calibrate-requests", "40", "--calibrate-routes", "kvroute:default",
+               "--time-scale", "4", timeout=180)
+    data = json.loads(next(tmp_path.glob("*-quality-matrix-trace_tiny.json")).read_text())
+    assert data["meta"]["quick"] and not data["failed_cells"]
+    fam = data["meta"]["families"]["trace_tiny"]
+    window = [r for r in map(json.loads, trace.read_text().splitlines()) if 2000 <= r["timestamp"] < 18000]
+    assert fam["trace_requests"] == len(window) and fam["capacity"] > 0
+    (row,) = data["rows"]
+    assert (row["trace"], row["trace_start_s"], row["trace_duration_s"]) == ("tiny_trace.jsonl", 2.0, 16.0)
+    assert row["trace_sha256"] == hashlib.sha256(trace.read_bytes()).hexdigest()
+    # open loop at 80% of capacity: the window played that many times faster than recorded
+    assert row["trace_speedup"] == pytest.approx(0.8 * fam["capacity"] / fam["trace_rate"])
+    assert row["failed"] == 0 and row["rejected"] == 0 and row["ok"] == row["requests"] == len(window), row
+    assert sum(row["per_worker"]) == len(window)  # the engines' own count
+    # every prompt token reached the engines (exact lengths), and turns of a conversation hit their caches
+    assert row["prefill_tokens"] <= sum(r["input_length"] for r in window) and row["prefix_hit"] > 0.3, row
+    md = next(tmp_path.glob("*-quality-matrix-trace_tiny.md")).read_text()
+    assert f"Trace `tiny_trace.jsonl` (sha256 `{row['trace_sha256']}`), window 2-18 s" in md
     wait_until(lambda: not _processes_marked(str(tmp_path)), 10, 0.2, "the bench's processes to be gone")

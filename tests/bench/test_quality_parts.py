@@ -24,7 +24,8 @@ from bench.oracle_view import (
     owned_blocks,
     predict_ttft_s,
 )
-from bench.quality import QUICK_DIR, aggregate, is_quick, render, verdicts
+from bench.quality import QUICK_DIR, is_quick
+from bench.quality_report import aggregate, render, verdicts
 from bench.tails import cold_start, ttft_p99_after_first_wave
 from bench.workloads import KINDS, MODEL_B, generate, load_or_generate
 

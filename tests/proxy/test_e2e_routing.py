@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import threading
 from collections import Counter
 
 import httpx
@@ -105,14 +106,26 @@ def test_a_streamed_prompt_counts_in_its_workers_prefill_backlog_until_its_first
     words = ("alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "light")
     prompt = " ".join(words[i % len(words)] for i in range(2000))
     body = {"model": "m1", "messages": [{"role": "user", "content": prompt}], "max_tokens": 200, "stream": True}
-    with fleet.http.stream("POST", fleet.url + "/v1/chat/completions", json=body) as resp:
-        assert resp.status_code == 200
+    seen: dict = {}
+
+    def stream() -> None:
+        # like vLLM, the sim's first chunk (and so the proxy's head) comes with the first token: read elsewhere
+        with httpx.Client(timeout=30) as client, client.stream("POST", fleet.url + "/v1/chat/completions",
+                                                                json=body) as resp:
+            seen["status"] = resp.status_code
+            for line in resp.iter_lines():
+                if '"content":"' in line and '"content":""' not in line:  # the first token reached the client
+                    seen["after"] = client.get(fleet.url + "/workers/sim-0").json()  # (the stream still open)
+                    break
+
+    sender = threading.Thread(target=stream)
+    sender.start()
+    try:
         ahead = wait_until(lambda: (lambda w: w if w["prefill_backlog_tokens"] > 1000 else None)(
             fleet.worker("sim-0")), 20, 0.02, "the prompt in the worker's prefill backlog")
         assert ahead["in_flight"] == 1
-        after = None
-        for line in resp.iter_lines():
-            if '"content":"' in line and '"content":""' not in line:  # the first token reached the client
-                after = fleet.worker("sim-0")  # (before leaving the loop: that closes the stream)
-                break
+    finally:
+        sender.join(30)
+    after = seen.get("after")
+    assert seen.get("status") == 200
     assert after is not None and after["in_flight"] == 1 and after["prefill_backlog_tokens"] == 0, after

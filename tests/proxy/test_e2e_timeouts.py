@@ -17,13 +17,16 @@ FIRST_BYTE_TIMEOUT = "proxy:\n  timeouts:\n    connect_s: 1.0\n    first_byte_s:
 
 def test_a_stream_that_stalls_ends_with_an_error_after_the_idle_timeout(fleet):
     fleet.start_proxy(config=IDLE_TIMEOUT)
-    fleet.start_sims(1, extra=("--stall-after", "0"))
-    with httpx.stream("POST", fleet.url + "/v1/chat/completions", timeout=30, json={
-            "model": "m1", "stream": True, "max_tokens": 50,
-            "messages": [{"role": "user", "content": "hi"}]}) as resp:
-        raw = resp.read()
-    # like vLLM, the sim sends its headers (and the role chunk) before any token
-    assert resp.status_code == 200
+    (sim,) = fleet.start_sims(1, time_scale=1.0, extra=("--stall-after", "1"))
+    body = {"model": "m1", "stream": True, "max_tokens": 2000, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.stream("POST", fleet.url + "/v1/chat/completions", timeout=30, json=body) as resp:
+        assert resp.status_code == 200
+        chunks = resp.iter_raw()
+        raw = next(chunks)  # like vLLM, the sim's first chunk comes with the first token
+        # a second request freezes the engine mid-stream (--stall-after 1): no more tokens for anyone
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(sim.url + "/v1/chat/completions", timeout=0.5, json=body | {"stream": False})
+        raw += b"".join(chunks)
     events = sse_events(raw)
     assert events[-1] == b"[DONE]"
     assert orjson.loads(events[-2])["error"]["message"].endswith("(idle_timeout).")

@@ -80,24 +80,3 @@ async def test_a_burst_passes_the_api_front_end_one_request_at_a_time():
     assert requests[0].first_token_time - requests[0].arrival_time >= front_end + prefill
     assert requests[0].first_token_time < requests[-1].first_token_time  # not all in one prefill step
     assert not engine.scheduler.has_work() and aborted.status == RequestStatus.ABORTED and engine.kv.usage == 0.0
-
-
-async def test_a_request_is_past_the_front_end_when_the_scheduler_has_it_or_it_was_aborted():
-    """The sim starts a stream's response there, as vLLM's API server does once preprocessing is done."""
-    engine = SimEngine(get_preset("cpu-tiny"), time_scale=1.0)
-    engine.start()
-    try:
-        request = SimRequest("r", Prompt(list(range(600))), 2)
-        engine.submit(request)
-        waiting = asyncio.create_task(engine.past_front_end(request))
-        await asyncio.sleep(0)
-        assert not waiting.done() and engine.num_enqueued == 0
-        await asyncio.wait_for(waiting, 5)
-        assert engine.num_enqueued == 1
-        gone = SimRequest("gone", Prompt(list(range(600))), 2)
-        engine.submit(gone)
-        engine.abort(gone)
-        await asyncio.wait_for(engine.past_front_end(gone), 5)  # released, never enqueued
-        assert engine.num_enqueued == 1
-    finally:
-        await engine.stop()
