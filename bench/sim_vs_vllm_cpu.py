@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -77,21 +78,26 @@ class Worker:
         self.argv = argv + ["--port", str(self.port)] + (["--", *engine_args] if engine_args else [])
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
+        # The engine's API key: the supervisor keeps one it is given (VLLM_API_KEY) instead of a random one.
+        self.api_key = secrets.token_urlsafe(16)
+        self.headers = {"Authorization": f"Bearer {self.api_key}"}
 
     def __enter__(self) -> Worker:
+        env = {**os.environ, "VLLM_API_KEY": self.api_key}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                         cwd=REPO, start_new_session=True)
+                                         cwd=REPO, start_new_session=True, env=env)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"worker exited early; see {self.log_path}")
             try:
-                if httpx.get(f"{self.url}/v1/models", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}/v1/models", headers=self.headers, timeout=1).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
+        self.__exit__()  # a worker that never became ready is stopped too
         raise TimeoutError(f"worker not ready after 300 s; see {self.log_path}")
 
     def __exit__(self, *exc: object) -> None:
@@ -109,9 +115,9 @@ ENGINE_FIGURES = ("engine_ttft_c1", "itl_c1", "engine_ttft_loaded", "itl_loaded"
 ENGINE_HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds")
 
 
-async def warm_up(url: str, args: argparse.Namespace) -> None:
+async def warm_up(worker: Worker, args: argparse.Namespace) -> None:
     """One full round, not counted: the first requests after start pay one-off costs."""
-    await measure_round(url, args, -1)
+    await measure_round(worker, args, -1)
 
 
 def engine_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -132,8 +138,9 @@ async def scrape(url: str) -> dict[str, float]:
     return {name: value for name, value in totals.items() if name.endswith(("_sum", "_count"))}
 
 
-async def measure_round(url: str, args: argparse.Namespace, round_no: int) -> dict[str, Any]:
-    gen = LoadGenerator(url)
+async def measure_round(worker: Worker, args: argparse.Namespace, round_no: int) -> dict[str, Any]:
+    url = worker.url
+    gen = LoadGenerator(url, headers=worker.headers)
     # new prompts every round (an engine's prefix cache would otherwise serve later rounds), the
     # same ones for both engines, and of the same length in every round (numbers of as many digits:
     # 6 at c=1, 4 when loaded with the defaults) so that the best of the rounds compares like with like
@@ -172,14 +179,15 @@ def sim_state(url: str) -> dict[str, Any]:
     return httpx.get(f"{url}/sim/state", timeout=5).json()
 
 
-async def compare(real_url: str, sim_url: str, args: argparse.Namespace) -> dict[str, Any]:
-    await warm_up(real_url, args)
-    await warm_up(sim_url, args)
+async def compare(real: Worker, sim: Worker, args: argparse.Namespace) -> dict[str, Any]:
+    sim_url = sim.url
+    await warm_up(real, args)
+    await warm_up(sim, args)
     rounds: dict[str, list[dict[str, Any]]] = {"vllm-cpu": [], "sim cpu-tiny": []}
     state0 = sim_state(sim_url)
     for round_no in range(args.rounds):
-        rounds["vllm-cpu"].append(await measure_round(real_url, args, round_no))
-        rounds["sim cpu-tiny"].append(await measure_round(sim_url, args, round_no))
+        rounds["vllm-cpu"].append(await measure_round(real, args, round_no))
+        rounds["sim cpu-tiny"].append(await measure_round(sim, args, round_no))
     state1 = sim_state(sim_url)
     busy = state1["busy_sim_s"] - state0["busy_sim_s"]
     return {"rounds": rounds, "results": {name: best_of(rs) for name, rs in rounds.items()},
@@ -201,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     sim_argv = [*python, "--engine", "sim", "--preset", "cpu-tiny", "--served-model-name", MODEL]
     load_before = os.getloadavg()[0]
     with Worker(vllm_argv, logs / "vllm.log", VLLM_ENGINE_ARGS) as real, Worker(sim_argv, logs / "sim.log") as sim:
-        out = asyncio.run(compare(real.url, sim.url, args))
+        out = asyncio.run(compare(real, sim, args))
     results = out["results"]
     real_r, sim_r = results["vllm-cpu"], results["sim cpu-tiny"]
     ratios = {k: (sim_r[k] / real_r[k] if real_r[k] else None) for k in METRICS}

@@ -144,7 +144,7 @@ async def front_end_delay(session: aiohttp.ClientSession, url: str, bodies: list
 async def measure(args: argparse.Namespace, worker: Worker) -> dict[str, Any]:
     assert worker.proc is not None
     tree = ProcessTree(worker.proc.pid)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60), headers=worker.headers) as session:
         kinds = requests_by_kind()
         for body in [b for bodies in kinds.values() for b in bodies[-3:]]:  # warm-up, not counted
             async with session.post(f"{worker.url}/v1/chat/completions", json=body) as resp:
