@@ -20,6 +20,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "chaos": ("bench.chaos", "issue 12's chaos run: SIGKILLs with restarts, SIGSTOP stalls, a 5xx worker and "
                              "(--state redis) a Redis restart under load; failures by kind, in-flight, fds, RSS"),
     "tracing": ("bench.tracing_cost", "CPU per request with the access log and OpenTelemetry tracing off and on"),
+    "vllm-kv": ("bench.vllm_kv", "real vLLM CPU workers under KV pressure: kvroute vs peers over the same engines "
+                                 "(failures, stalls declared, the engines' prefix hit rate, TTFT)"),
     "peers": ("bench.peers", "install vllm-router, sglang-router and LMDeploy's proxy into bench/.peers/"),
     "plot": ("bench.plot", "draw a quality or overhead result's plots (PNG) from its JSON into bench/.plots/"),
     "headline": ("bench.headline", "the performance summary from the result files: print it, or --write "
