@@ -1,6 +1,6 @@
 """Which proxy settings a running proxy takes from a new config, and which need a restart.
 
-Pure: compares two ProxyConfigs and says what changes live (policy, retries, timeouts, queue, ...) and
+Pure: compares two ProxyConfigs and says what changes live (policy, routing knobs, retries, timeouts, ...) and
 what is only reported; applying the result to a running app is proxy/app.py's `apply_config`.
 """
 
@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from proxy.config import ConfigError, FleetConfig
 from proxy.routing.base import policy_names
 
-# Read per request (dispatch, admission, upstream) or per drain: a new value takes effect at once.
-LIVE_PROXY_KEYS = ("policy", "retries", "migrations", "kv_high_water", "timeouts", "queue", "drain_grace_s", "log_level")
+# Read per request (dispatch, admission, upstream) or per drain: a new value takes effect at once. `routing`'s
+# knobs go to the running policies, prefix index, estimator and load views (what they learnt is kept).
+LIVE_PROXY_KEYS = ("policy", "retries", "migrations", "kv_high_water", "timeouts", "queue", "routing", "drain_grace_s",
+                   "log_level")
 # The command line may set these (`--host`, `--port 0`): a file that does not say them changes nothing.
 _COMMAND_LINE_KEYS = ("host", "port")
 
