@@ -39,6 +39,7 @@ from proxy.routing import kv_aware
 from proxy.routing_config import KvAwareConfig
 
 KV_AWARE = KvAwareConfig()  # kvroute's default weights (config.yaml's proxy.routing.kv_aware)
+PREFIX_BONUS = kv_aware.prefix_bonus_of(KV_AWARE)
 EVICT_WEIGHT = 0.5  # seconds of cost per second of prefill that the blocks a request evicts would take to redo
 
 
@@ -186,7 +187,7 @@ def predict_ttft_s(preset: Preset, probe: dict[str, Any], extra_ahead_tokens: in
 
 
 class _Prompt:
-    """What kv_aware.prefix_bonus reads of a request."""
+    """What kv_aware's prefix bonus reads of a request."""
 
     __slots__ = ("prompt_tokens",)
 
@@ -206,5 +207,4 @@ def kv_aware_cost(probe: dict[str, Any], cached: int, unseen: list[Sent]) -> flo
                + sum(s.uncached_tokens for s in unseen))
     return (usage + KV_AWARE.queue_weight * queue + KV_AWARE.inflight_weight * in_flight
             + KV_AWARE.backlog_weight * backlog / capacity
-            - kv_aware.prefix_bonus(KV_AWARE, _Prompt(probe["prompt_tokens"]), cached, capacity,  # type: ignore[arg-type]
-                                    usage))
+            - PREFIX_BONUS(_Prompt(probe["prompt_tokens"]), cached, capacity, usage))  # type: ignore[arg-type]

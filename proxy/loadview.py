@@ -67,11 +67,12 @@ class WorkerLoad:
     __slots__ = ("_capacity", "reading", "reading_at", "reading_source", "_pending", "_pending_tokens",
                  "_pending_count", "_pending_prefill", "in_flight", "in_flight_tokens", "dispatched_total",
                  "finished_since_reading", "version", "_snapshot", "_snapshot_version", "watchers",
-                 "prefill_backlog", "_pending_unconfirmed", "step_tokens", "rules")
+                 "prefill_backlog", "_pending_unconfirmed", "step_tokens", "rules", "forget_after_s", "_visible_after_s",
+                 "_confirms", "_confirms_by_head", "_confirm_above_kv", "_confirm_above_prefill")
 
     def __init__(self, capacity_tokens: int | None = None, rules: AdmissionConfig | None = None) -> None:
         self._capacity = capacity_tokens or DEFAULT_CAPACITY_TOKENS
-        self.rules = rules or AdmissionConfig()  # the proxy's admission rules (admission.py gives them)
+        self._take(rules or AdmissionConfig())  # the proxy's admission rules (admission.py gives them)
         # bumped on every event that changes what snapshot() returns (reading, dispatch, finish, forget)
         self.version = 0
         self._snapshot: LoadSnapshot | None = None
@@ -101,10 +102,20 @@ class WorkerLoad:
     def set_rules(self, rules: AdmissionConfig) -> None:
         """New admission rules (a config edit): the views change at once, and the watchers hear of it."""
         if rules != self.rules:
-            self.rules = rules
+            self._take(rules)
             self.version += 1
             if self.watchers:
                 self._changed()
+
+    def _take(self, rules: AdmissionConfig) -> None:
+        # copied into slots: read on every load event and view, where a pydantic model's attribute costs ~3x
+        self.rules = rules
+        self.forget_after_s = rules.dispatch_forget_after_s
+        self._visible_after_s = rules.dispatch_visible_after_s
+        self._confirms = rules.admit_after_output or rules.admit_after_head
+        self._confirms_by_head = rules.admit_after_head
+        self._confirm_above_kv = rules.confirm_above_kv_usage
+        self._confirm_above_prefill = rules.confirm_above_prefill_tokens
 
     def watch(self, watcher: LoadWatcher) -> None:
         if watcher not in self.watchers:
@@ -137,7 +148,7 @@ class WorkerLoad:
         if reading.capacity_tokens:
             self._capacity = reading.capacity_tokens
         self.finished_since_reading = 0
-        self._forget_before(now - self.rules.dispatch_visible_after_s, notify=False)
+        self._forget_before(now - self._visible_after_s, notify=False)
         if self.watchers:
             self._changed()
 
@@ -177,7 +188,7 @@ class WorkerLoad:
 
     def upstream_head(self, dispatch: Dispatch) -> None:
         """The engine answered the request's head: with admit_after_head, it has taken the request in."""
-        if self.rules.admit_after_head and dispatch.unconfirmed:
+        if self._confirms_by_head and dispatch.unconfirmed:
             self._confirm(dispatch)
             self.version += 1
             if self.watchers:
@@ -207,14 +218,14 @@ class WorkerLoad:
         """KV usage the worker will have once what the proxy already sent it is admitted."""
         if self.reading is None:
             return self.in_flight_tokens / self.capacity_tokens
-        self._forget_before(now - self.rules.dispatch_forget_after_s)
+        self._forget_before(now - self.forget_after_s)
         return self.reading.kv_usage + self._pending_tokens / self.capacity_tokens
 
     def queue_depth(self, now: float) -> int:
         """Requests waiting at the worker, counting the ones sent since its last reading."""
         if self.reading is None:
             return self.in_flight
-        self._forget_before(now - self.rules.dispatch_forget_after_s)
+        self._forget_before(now - self.forget_after_s)
         return self.reading.num_waiting + self._pending_count
 
     def pending_requests(self) -> int:
@@ -224,12 +235,12 @@ class WorkerLoad:
         """KV tokens of requests sent since the newest reading (or in flight, without a reading)."""
         if self.reading is None:
             return self.in_flight_tokens
-        self._forget_before(now - self.rules.dispatch_forget_after_s)
+        self._forget_before(now - self.forget_after_s)
         return self._pending_tokens
 
     def pending_prefill_tokens(self, now: float) -> int:
         """Prompt tokens to prefill of requests sent since the newest reading (some may be done)."""
-        self._forget_before(now - self.rules.dispatch_forget_after_s)
+        self._forget_before(now - self.forget_after_s)
         return self._pending_prefill
 
     def oldest_pending_at(self) -> float | None:
@@ -248,11 +259,9 @@ class WorkerLoad:
         least admit_prefill_tokens(): it may not have taken them in.
         """
         reading = self.reading
-        rules = self.rules
-        if reading is None or (reading.num_waiting == 0 and not (
-                (rules.admit_after_output or rules.admit_after_head) and self._pending_unconfirmed)):
+        if reading is None or (reading.num_waiting == 0 and not (self._confirms and self._pending_unconfirmed)):
             return 0
-        self._forget_before(now - rules.dispatch_forget_after_s)
+        self._forget_before(now - self.forget_after_s)
         return self.backlog_now()
 
     def backlog_now(self, unconfirmed: bool = True) -> int:
@@ -264,10 +273,8 @@ class WorkerLoad:
             return 0
         over = reading.num_waiting + self._pending_count - self.finished_since_reading
         if reading.num_waiting == 0:
-            rules = self.rules
-            if (not unconfirmed or not (rules.admit_after_output or rules.admit_after_head)
-                    or not self._pending_unconfirmed
-                    or (reading.kv_usage + self._pending_tokens / self._capacity < rules.confirm_above_kv_usage
+            if (not unconfirmed or not self._confirms or not self._pending_unconfirmed
+                    or (reading.kv_usage + self._pending_tokens / self._capacity < self._confirm_above_kv
                         and self.prefill_backlog < self.admit_prefill_tokens())):
                 return 0
             return max(0, min(self._pending_unconfirmed, over))
@@ -276,7 +283,7 @@ class WorkerLoad:
     def admit_prefill_tokens(self) -> float:
         """Prompt tokens still to prefill above which requests without output may be waiting (see engine_backlog)."""
         step = self.step_tokens
-        return self.rules.confirm_above_prefill_tokens * (step / STEP_TOKENS_ASSUMED if step else 1.0)
+        return self._confirm_above_prefill * (step / STEP_TOKENS_ASSUMED if step else 1.0)
 
     def usage_and_queue(self) -> tuple[float, int]:
         """(projected_kv_usage, queue_depth) as of the last event, without forgetting (see forget_before)."""
@@ -296,8 +303,8 @@ class WorkerLoad:
     def snapshot(self, now: float) -> LoadSnapshot:
         """Everything routing reads about this load at `now`, in one object (kept until the next event)."""
         pending = self._pending
-        if pending and pending[0].at <= now - self.rules.dispatch_forget_after_s:
-            self._forget_before(now - self.rules.dispatch_forget_after_s)
+        if pending and pending[0].at <= now - self.forget_after_s:
+            self._forget_before(now - self.forget_after_s)
         if self._snapshot_version == self.version:
             return self._snapshot  # type: ignore[return-value]
         snap = self._snapshot = LoadSnapshot(self)

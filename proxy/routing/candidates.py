@@ -148,7 +148,7 @@ class Roster:
         if not heap:
             return
         # the views' own cutoff, computed the same way (every load holds the proxy's one set of rules)
-        cutoff = now - heap[0][2].load.rules.dispatch_forget_after_s
+        cutoff = now - heap[0][2].load.forget_after_s
         while heap and heap[0][0] <= cutoff:
             at, _, member = heapq.heappop(heap)
             if member.expiry != at or member.worker.worker_id not in self._members:
