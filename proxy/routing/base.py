@@ -1,7 +1,8 @@
 """The routing interface: a policy picks one worker among candidates for one request.
 
-Owns the Policy base class, the Decision it returns, and the name -> policy factory; it does
-not filter candidates (dispatch passes only workers that may take work) and does no I/O.
+Owns the Policy base class, the Decision it returns, the name -> policy factory, and which policy object
+with which knobs serves each model (assign_policies); it does not filter candidates (dispatch passes only
+workers that may take work) and does no I/O.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def assign_policies(config: FleetConfig, global_policy: str, deps: PolicyDeps, o
     name is unchanged, given the new knobs (what it learnt stays). ValueError for an unknown name, before
     anything changes."""
     models = [(m.name, m.policy or global_policy, m.routing) for m in config.models]
-    for name in {global_policy, *(name for _, name, _ in models)}:
+    for name in dict.fromkeys([global_policy, *(name for _, name, _ in models)]):
         if name not in POLICIES:
             raise ValueError(f"unknown routing policy '{name}'; known: {', '.join(POLICIES)}")
     routing = config.proxy.routing

@@ -227,7 +227,7 @@ class KvCostPolicy(Policy):
         prediction = KvCostPrediction(best_pred.queue_s, best_pred.ttft_s,
                                       model.prefill_s(request.prompt_tokens, request.media_tokens),
                                       best_pred.media_uncached)
-        return Decision(best, reason, kv_tokens, scores, best_pred.uncached, prediction)
+        return Decision(best, reason, kv_tokens, scores, prefill_tokens=best_pred.uncached, prediction=prediction)
 
     def _shortlist(self, candidates: Sequence[Worker], depths: dict[str, int],
                    excluded: Collection[str] = ()) -> Sequence[Worker]:
