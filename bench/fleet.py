@@ -113,48 +113,27 @@ def _registered_workers(proxy_url: str) -> int:
 
 
 def kvroute_command(policy_spec: str, port: int, log_dir: Path) -> tuple[str, list[str]]:
-    """(policy, argv) for `kvroute proxy`. A spec "kv_aware@prefix_weight=0+hw=1.0" runs a variant
-    through bench/ablate.py: module knobs are patched in-process, config knobs go in a YAML file.
+    """(policy, argv) for `kvroute proxy`. A spec "kv_aware@prefix_weight=0+hw=1.0" runs a variant: its knobs
+    go into the config file the proxy starts with (bench/route_spec.py), process settings through bench/ablate.py.
     The knob `tree=PATH` runs the proxy (and bench/ablate.py) from another source tree, a checkout or
-    `git worktree` of this repository: two trees side by side on one fleet in one run."""
-    from bench.ablate import CONFIG_KNOBS, MODULE_KNOBS
+    `git worktree` of this repository: two trees side by side on one fleet in one run (its proxy must know the
+    config keys the spec sets)."""
+    from bench.route_spec import parse_route_spec
 
-    policy, _, knobs = policy_spec.partition("@")
-    patches, proxy_cfg = [], {}
-    tree: str | None = None
-    for item in filter(None, knobs.split("+")):
-        key, _, value = item.partition("=")
-        if key == "tree":
-            if not (Path(value) / "proxy" / "cli.py").is_file():
-                raise ValueError(f"tree={value!r} in {policy_spec!r} is not a kvroute source tree (no proxy/cli.py)")
-            tree = str(Path(value).resolve())
-        elif key in MODULE_KNOBS:
-            patches.append(f"{MODULE_KNOBS[key]}={value}")
-        elif key in CONFIG_KNOBS:
-            node = proxy_cfg
-            *parents, leaf = CONFIG_KNOBS[key]
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[leaf] = float(value)
-        else:
-            raise ValueError(f"unknown knob {key!r} in {policy_spec!r}")
-    args = ["proxy", "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--log-level", "warning"]
-    if proxy_cfg:
-        import json
-
-        cfg = log_dir / f"proxy-{abs(hash(policy_spec))}.yaml"
-        cfg.parent.mkdir(parents=True, exist_ok=True)
-        cfg.write_text(json.dumps({"proxy": proxy_cfg}))  # JSON is YAML
+    route = parse_route_spec(policy_spec)
+    args = ["proxy", "--host", "127.0.0.1", "--port", str(port), "--policy", route.policy, "--log-level", "warning"]
+    if route.proxy:
+        cfg = route.write_config(log_dir / f"proxy-{abs(hash(policy_spec))}.yaml")
         args += ["--config", str(cfg)]
-    module, argv = ("bench.ablate", [*patches, "--", *args]) if patches else ("proxy.cli", args)
-    if tree is not None:
+    module, argv = ("bench.ablate", [*route.process, "--", *args]) if route.process else ("proxy.cli", args)
+    if route.tree is not None:
         # the tree's modules ahead of this one's (sys.path[0] is the working directory, this repository)
-        code = (f"import runpy, sys; sys.path.insert(0, {tree!r}); "
+        code = (f"import runpy, sys; sys.path.insert(0, {route.tree!r}); "
                 f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
-        return policy, [sys.executable, "-c", code, *argv]
-    if patches:
-        return policy, [sys.executable, "-m", module, *argv]
-    return policy, [*KVROUTE, *argv]
+        return route.policy, [sys.executable, "-c", code, *argv]
+    if route.process:
+        return route.policy, [sys.executable, "-m", module, *argv]
+    return route.policy, [*KVROUTE, *argv]
 
 
 def start_kvroute(fleet: Fleet, policy: str, timeout: float = 60.0) -> RunningRouter:

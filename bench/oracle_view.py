@@ -36,7 +36,10 @@ from backends.sim.cost import StepWork, step_time_s
 from backends.sim.kvcache import leading_run
 from backends.sim.presets import Preset
 from proxy.routing import kv_aware
+from proxy.routing_config import KvAwareConfig
 
+KV_AWARE = KvAwareConfig()  # kvroute's default weights (config.yaml's proxy.routing.kv_aware)
+PREFIX_BONUS = kv_aware.prefix_bonus_of(KV_AWARE)
 EVICT_WEIGHT = 0.5  # seconds of cost per second of prefill that the blocks a request evicts would take to redo
 
 
@@ -184,7 +187,7 @@ def predict_ttft_s(preset: Preset, probe: dict[str, Any], extra_ahead_tokens: in
 
 
 class _Prompt:
-    """What kv_aware.prefix_bonus reads of a request."""
+    """What kv_aware's prefix bonus reads of a request."""
 
     __slots__ = ("prompt_tokens",)
 
@@ -193,7 +196,7 @@ class _Prompt:
 
 
 def kv_aware_cost(probe: dict[str, Any], cached: int, unseen: list[Sent]) -> float:
-    """kvroute's kv_aware cost(w) (proxy/routing/kv_aware.py) on the probed worker's true state; `unseen`:
+    """kvroute's kv_aware cost(w) (proxy/routing/kv_aware.py, its default knobs) on the probed worker's true state; `unseen`:
     what the oracle sent there that the probe may not show yet (counted as waiting, uncached)."""
     bs = probe["block_size"]
     capacity = probe["num_blocks"] * bs
@@ -202,6 +205,6 @@ def kv_aware_cost(probe: dict[str, Any], cached: int, unseen: list[Sent]) -> flo
     in_flight = queue + len(probe["running"])
     backlog = (sum(w[0] for w in probe["waiting"]) + sum(r[0] for r in probe["running"])
                + sum(s.uncached_tokens for s in unseen))
-    return (usage + kv_aware.QUEUE_WEIGHT * queue + kv_aware.INFLIGHT_WEIGHT * in_flight
-            + kv_aware.BACKLOG_WEIGHT * backlog / capacity
-            - kv_aware.prefix_bonus(_Prompt(probe["prompt_tokens"]), cached, capacity, usage))  # type: ignore[arg-type]
+    return (usage + KV_AWARE.queue_weight * queue + KV_AWARE.inflight_weight * in_flight
+            + KV_AWARE.backlog_weight * backlog / capacity
+            - PREFIX_BONUS(_Prompt(probe["prompt_tokens"]), cached, capacity, usage))  # type: ignore[arg-type]

@@ -10,8 +10,8 @@ started and stopped here), the figures behind the report path's defaults:
 2. Front-end delay: requests sent one at a time to the idle engine (short text, long text, one image),
    the time from sending until the engine's `/metrics` counts it (running + waiting up by one, polled
    with filtered reads), and until its stream's response head and first token arrive. The proxy's
-   loadview.DISPATCH_VISIBLE_AFTER_S assumes a report that reaches it this long after a dispatch shows
-   that request; the sim's front end (backends/sim/presets.py) models the same delay.
+   `proxy.routing.admission.dispatch_visible_after_s` assumes a report that reaches it this long after a
+   dispatch shows that request; the sim's front end (backends/sim/presets.py) models the same delay.
 
 The host's CPU is the API server's CPU on a GPU machine too (tokenizing, image preprocessing), but these
 2 shared cores are slower than a server's: read the figures as an order of magnitude. Run:

@@ -163,7 +163,7 @@ def apply_config(app: web.Application, config: FleetConfig) -> ConfigChange:
     policies = PolicySet(new, lifecycle.policy_override or new.proxy.policy, dispatcher.policies.deps,
                          reuse=dispatcher.policies)  # ValueError for an unknown name: nothing changed yet
     dispatcher.config, dispatcher.proxy_config, dispatcher.policies = new, new.proxy, policies
-    dispatcher.admission.config = new.proxy
+    dispatcher.admission.configure(new.proxy)
     app[UPSTREAM_KEY].timeouts = new.proxy.timeouts
     if "proxy.log_level" in change.live:
         logging.getLogger().setLevel(new.proxy.log_level.upper())

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from proxy.routing_config import PolicyKnobs, RoutingConfig
 from proxy.security.networks import DEFAULT_WORKER_NETWORKS
 
 PolicyName = str  # validated against proxy.routing's registry by the proxy at start-up
@@ -131,6 +132,8 @@ class ProxyConfig(_Strict):
         "fewer preemptions, but the engines idle while the proxy waits (see proxy/routing/admission.py)"))
     timeouts: Timeouts = Field(default_factory=Timeouts)
     queue: AdmissionQueue = Field(default_factory=AdmissionQueue)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig, description=(
+        "the policies' knobs, the estimator's priors, admission's rules, the prefix index (proxy/routing_config.py)"))
     static_workers: list[StaticWorker] = Field(default_factory=list)
     drain_grace_s: float = Field(30.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -209,6 +212,8 @@ class ModelConfig(_Strict):
     engine_args: EngineArgs = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict)
     policy: PolicyName | None = None
+    routing: PolicyKnobs = Field(default_factory=PolicyKnobs,
+                                 description="this model's own policy knobs, each over proxy.routing's")
     preset: str | None = Field(None, description="sim engine: hardware/model preset")
     startup_timeout_s: float = Field(600.0, gt=0)
     limits: RequestLimits = Field(default_factory=RequestLimits,

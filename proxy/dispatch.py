@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy import loadview
 from proxy.config import FleetConfig
 from proxy.errors import ProxyError, error_response, model_not_found
 from proxy.loadview import Dispatch
@@ -27,7 +26,7 @@ from proxy.registry import Registry, Worker
 from proxy.request import RoutedRequest, parse_request
 from proxy.retry_policy import Action, Attempt, Failure, Verdict, classify
 from proxy.routing.admission import AdmissionController
-from proxy.routing.base import Decision, Policy, PolicyDeps, make_policy
+from proxy.routing.base import Decision, Policy, PolicyDeps, assign_policies
 from proxy.security.clientauth import ClientAuth
 from proxy.security.limits import check_request
 from proxy.upstream import ForwardResult, RetryableFailure, Upstream, upstream_headers
@@ -52,12 +51,8 @@ class PolicySet:
                  reuse: PolicySet | None = None) -> None:
         """`reuse`: a running set whose policy objects are kept where the name is unchanged (what they learnt)."""
         self.deps = deps
-        kept = {p.name: p for p in ([reuse.default, *reuse._by_model.values()] if reuse else [])}
-        self.default = kept.get(global_policy) or make_policy(global_policy, deps)
-        self._by_model: dict[str, Policy] = {}
-        for model in config.models:
-            if model.policy and model.policy != global_policy:
-                self._by_model[model.name] = kept.get(model.policy) or make_policy(model.policy, deps)
+        self.default, self._by_model = assign_policies(config, global_policy, deps, reuse and reuse.default,
+                                                       reuse and reuse._by_model)
 
     def for_model(self, model: str) -> Policy:
         return self._by_model.get(model, self.default)
@@ -210,9 +205,10 @@ class Dispatcher:
 
     def first_output(self, ticket: InFlight) -> None:
         """The attempt's first generated output reached the proxy (its prefill is done; with
-        loadview.ADMIT_AFTER_OUTPUT, the default, its engine may admit again: the head of a queue may go)."""
-        ticket.decision.worker.load.first_output(ticket.dispatch)
-        if loadview.ADMIT_AFTER_OUTPUT or loadview.ADMIT_AFTER_HEAD:
+        admit_after_output, the default, its engine may admit again: the head of a queue may go)."""
+        load = ticket.decision.worker.load
+        load.first_output(ticket.dispatch)
+        if load.rules.admit_after_output or load.rules.admit_after_head:
             self.admission.wake()
 
     def upstream_head(self, ticket: InFlight) -> None:

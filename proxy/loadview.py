@@ -8,13 +8,15 @@ it does no I/O (proxy/monitor.py scrapes) and knows nothing about worker states.
 
 `pending` are requests dispatched to the worker too recently to be in its newest reading and
 still in flight (est. prompt tokens + expected generated tokens each). A reading taken at
-least DISPATCH_VISIBLE_AFTER_S after a dispatch is assumed to include it; a request that has
+least `dispatch_visible_after_s` after a dispatch is assumed to include it; a request that has
 finished no longer holds KV or a queue slot, so it stops counting at once. A worker with no reading
-at all (not reporting, /metrics unreadable) falls back to the proxy's own in-flight counts.
+at all (not reporting, /metrics unreadable) falls back to the proxy's own in-flight counts. Those
+times and when an engine that reported no queue may be queueing (engine_backlog) are admission's rules,
+config.yaml's `proxy.routing.admission` (routing_config.AdmissionConfig): each load holds the proxy's.
 
 Watchers (proxy/routing/candidates.py keeps its load order with them) are called after every event
 that changes these numbers; the only change time makes on its own is forgetting pending dispatches
-DISPATCH_FORGET_AFTER_S old, which happens when a view is asked for or forget_before() is called.
+`dispatch_forget_after_s` old, which happens when a view is asked for or forget_before() is called.
 """
 
 from __future__ import annotations
@@ -24,28 +26,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from proxy import promtext
+from proxy.routing_config import AdmissionConfig
 
-# A reading arriving this long after a dispatch already shows that request (as KV use or as
-# num_waiting): network + the engine's API front end (tokenizing, image preprocessing). Measured on vLLM
-# CPU: docs/design/admission.md.
-DISPATCH_VISIBLE_AFTER_S = 0.1
-# Pending dispatches older than this are dropped even without a new reading: by then the
-# worker is stale and its numbers are not trusted anyway.
-DISPATCH_FORGET_AFTER_S = 5.0
-# An engine that reported nothing waiting admits only once every request sent to it since that report is
-# confirmed there (see engine_backlog): by its first output (ADMIT_AFTER_OUTPUT, the default) or by its response head
-# (`admit_after_head`, an ablation knob, off: the sim sends the head once its front end has handed the request to
-# the scheduler; vLLM CPU sent it before its /metrics counted the request), and only while its projected KV usage
-# is at least ADMIT_AFTER_OUTPUT_ABOVE_KV (`admit_above_kv`) or the prompt tokens still to prefill of its requests
-# without output (prefill_backlog) are at least ADMIT_AFTER_OUTPUT_PREFILL_TOKENS (`admit_prefill`): below both, a
-# request sent now starts in the engine's next step, and holding it cannot start it sooner. A newer report
-# confirms too. The runs behind each threshold: docs/design/admission.md.
-ADMIT_AFTER_OUTPUT = True
-ADMIT_AFTER_HEAD = False
-ADMIT_AFTER_OUTPUT_ABOVE_KV = 0.9
-# Half of vLLM's default token budget per step for an API server on an H100-class GPU (STEP_TOKENS_ASSUMED, the sim
-# presets' too); scaled by the engine's own budget where its worker reports one (LoadReport.max_num_batched_tokens).
-ADMIT_AFTER_OUTPUT_PREFILL_TOKENS = 4096
+# The engine step budget `confirm_above_prefill_tokens` is stated at: vLLM's default token budget per step for an
+# API server on an H100-class GPU (the sim presets' too); scaled by the engine's own budget where its worker reports
+# one (LoadReport.max_num_batched_tokens).
 STEP_TOKENS_ASSUMED = 8192
 # KV size assumed for a worker that never said (LMDeploy /nodes/add without a report).
 DEFAULT_CAPACITY_TOKENS = 32768
@@ -62,7 +47,7 @@ class Dispatch:
         self.prefill_tokens = prefill_tokens
         self.pending = True
         self.prefilling = True  # no output seen yet: its prompt is still ahead in the engine's prefill work
-        self.unconfirmed = True  # nothing yet shows the engine took it in (see ADMIT_AFTER_OUTPUT / _HEAD)
+        self.unconfirmed = True  # nothing yet shows the engine took it in (see admit_after_output / _head)
 
 
 @dataclass(slots=True)
@@ -82,10 +67,12 @@ class WorkerLoad:
     __slots__ = ("_capacity", "reading", "reading_at", "reading_source", "_pending", "_pending_tokens",
                  "_pending_count", "_pending_prefill", "in_flight", "in_flight_tokens", "dispatched_total",
                  "finished_since_reading", "version", "_snapshot", "_snapshot_version", "watchers",
-                 "prefill_backlog", "_pending_unconfirmed", "step_tokens")
+                 "prefill_backlog", "_pending_unconfirmed", "step_tokens", "rules", "forget_after_s", "_visible_after_s",
+                 "_confirms", "_confirms_by_head", "_confirm_above_kv", "_confirm_above_prefill")
 
-    def __init__(self, capacity_tokens: int | None = None) -> None:
+    def __init__(self, capacity_tokens: int | None = None, rules: AdmissionConfig | None = None) -> None:
         self._capacity = capacity_tokens or DEFAULT_CAPACITY_TOKENS
+        self._take(rules or AdmissionConfig())  # the proxy's admission rules (admission.py gives them)
         # bumped on every event that changes what snapshot() returns (reading, dispatch, finish, forget)
         self.version = 0
         self._snapshot: LoadSnapshot | None = None
@@ -111,6 +98,24 @@ class WorkerLoad:
         self.step_tokens: int | None = None
         # called as watcher.load_changed(self) after each event that changes the views below
         self.watchers: tuple[LoadWatcher, ...] = ()
+
+    def set_rules(self, rules: AdmissionConfig) -> None:
+        """New admission rules (a config edit): the views change at once, and the watchers hear of it."""
+        if rules != self.rules:
+            self._take(rules)
+            self.version += 1
+            if self.watchers:
+                self._changed()
+
+    def _take(self, rules: AdmissionConfig) -> None:
+        # copied into slots: read on every load event and view, where a pydantic model's attribute costs ~3x
+        self.rules = rules
+        self.forget_after_s = rules.dispatch_forget_after_s
+        self._visible_after_s = rules.dispatch_visible_after_s
+        self._confirms = rules.admit_after_output or rules.admit_after_head
+        self._confirms_by_head = rules.admit_after_head
+        self._confirm_above_kv = rules.confirm_above_kv_usage
+        self._confirm_above_prefill = rules.confirm_above_prefill_tokens
 
     def watch(self, watcher: LoadWatcher) -> None:
         if watcher not in self.watchers:
@@ -143,14 +148,14 @@ class WorkerLoad:
         if reading.capacity_tokens:
             self._capacity = reading.capacity_tokens
         self.finished_since_reading = 0
-        self._forget_before(now - DISPATCH_VISIBLE_AFTER_S, notify=False)
+        self._forget_before(now - self._visible_after_s, notify=False)
         if self.watchers:
             self._changed()
 
     def start_request(self, kv_tokens: int, now: float, prefill_tokens: int = 0, streamed: bool = True) -> Dispatch:
         """A request was sent to this worker; hand the result to finish_request exactly once.
 
-        `streamed=False`: its first output arrives only with its whole answer, so waiting for it (ADMIT_AFTER_OUTPUT)
+        `streamed=False`: its first output arrives only with its whole answer, so waiting for it (admit_after_output)
         would hold the queue for every request's full length: it counts as confirmed from the start.
         """
         self.version += 1
@@ -182,8 +187,8 @@ class WorkerLoad:
                 self._changed()
 
     def upstream_head(self, dispatch: Dispatch) -> None:
-        """The engine answered the request's head: with ADMIT_AFTER_HEAD, it has taken the request in."""
-        if ADMIT_AFTER_HEAD and dispatch.unconfirmed:
+        """The engine answered the request's head: with admit_after_head, it has taken the request in."""
+        if self._confirms_by_head and dispatch.unconfirmed:
             self._confirm(dispatch)
             self.version += 1
             if self.watchers:
@@ -213,14 +218,14 @@ class WorkerLoad:
         """KV usage the worker will have once what the proxy already sent it is admitted."""
         if self.reading is None:
             return self.in_flight_tokens / self.capacity_tokens
-        self._forget_before(now - DISPATCH_FORGET_AFTER_S)
+        self._forget_before(now - self.forget_after_s)
         return self.reading.kv_usage + self._pending_tokens / self.capacity_tokens
 
     def queue_depth(self, now: float) -> int:
         """Requests waiting at the worker, counting the ones sent since its last reading."""
         if self.reading is None:
             return self.in_flight
-        self._forget_before(now - DISPATCH_FORGET_AFTER_S)
+        self._forget_before(now - self.forget_after_s)
         return self.reading.num_waiting + self._pending_count
 
     def pending_requests(self) -> int:
@@ -230,12 +235,12 @@ class WorkerLoad:
         """KV tokens of requests sent since the newest reading (or in flight, without a reading)."""
         if self.reading is None:
             return self.in_flight_tokens
-        self._forget_before(now - DISPATCH_FORGET_AFTER_S)
+        self._forget_before(now - self.forget_after_s)
         return self._pending_tokens
 
     def pending_prefill_tokens(self, now: float) -> int:
         """Prompt tokens to prefill of requests sent since the newest reading (some may be done)."""
-        self._forget_before(now - DISPATCH_FORGET_AFTER_S)
+        self._forget_before(now - self.forget_after_s)
         return self._pending_prefill
 
     def oldest_pending_at(self) -> float | None:
@@ -247,17 +252,16 @@ class WorkerLoad:
 
         0 while it reported none waiting (it admits what it gets); otherwise its reported waiting,
         plus what was sent since, minus one per request finished since (each frees room for one
-        waiter). A worker without a reading is assumed to admit. With ADMIT_AFTER_OUTPUT (or _HEAD),
+        waiter). A worker without a reading is assumed to admit. With admit_after_output (or _head),
         a worker that reported none waiting holds the requests sent since that have no output (or no
         response head) yet, at most as many as were sent since and not balanced by finished ones, while
-        its projected KV usage is at least ADMIT_AFTER_OUTPUT_ABOVE_KV or the prompt tokens it has yet to prefill at
+        its projected KV usage is at least confirm_above_kv_usage or the prompt tokens it has yet to prefill at
         least admit_prefill_tokens(): it may not have taken them in.
         """
         reading = self.reading
-        if reading is None or (reading.num_waiting == 0 and not (
-                (ADMIT_AFTER_OUTPUT or ADMIT_AFTER_HEAD) and self._pending_unconfirmed)):
+        if reading is None or (reading.num_waiting == 0 and not (self._confirms and self._pending_unconfirmed)):
             return 0
-        self._forget_before(now - DISPATCH_FORGET_AFTER_S)
+        self._forget_before(now - self.forget_after_s)
         return self.backlog_now()
 
     def backlog_now(self, unconfirmed: bool = True) -> int:
@@ -269,8 +273,8 @@ class WorkerLoad:
             return 0
         over = reading.num_waiting + self._pending_count - self.finished_since_reading
         if reading.num_waiting == 0:
-            if (not unconfirmed or not (ADMIT_AFTER_OUTPUT or ADMIT_AFTER_HEAD) or not self._pending_unconfirmed
-                    or (reading.kv_usage + self._pending_tokens / self._capacity < ADMIT_AFTER_OUTPUT_ABOVE_KV
+            if (not unconfirmed or not self._confirms or not self._pending_unconfirmed
+                    or (reading.kv_usage + self._pending_tokens / self._capacity < self._confirm_above_kv
                         and self.prefill_backlog < self.admit_prefill_tokens())):
                 return 0
             return max(0, min(self._pending_unconfirmed, over))
@@ -279,7 +283,7 @@ class WorkerLoad:
     def admit_prefill_tokens(self) -> float:
         """Prompt tokens still to prefill above which requests without output may be waiting (see engine_backlog)."""
         step = self.step_tokens
-        return ADMIT_AFTER_OUTPUT_PREFILL_TOKENS * (step / STEP_TOKENS_ASSUMED if step else 1.0)
+        return self._confirm_above_prefill * (step / STEP_TOKENS_ASSUMED if step else 1.0)
 
     def usage_and_queue(self) -> tuple[float, int]:
         """(projected_kv_usage, queue_depth) as of the last event, without forgetting (see forget_before)."""
@@ -293,14 +297,14 @@ class WorkerLoad:
         return self.backlog_now() == 0
 
     def forget_before(self, cutoff: float) -> None:
-        """Stop counting dispatches sent at or before `cutoff` (what the views do at now - DISPATCH_FORGET_AFTER_S)."""
+        """Stop counting dispatches sent at or before `cutoff` (what the views do at now - dispatch_forget_after_s)."""
         self._forget_before(cutoff)
 
     def snapshot(self, now: float) -> LoadSnapshot:
         """Everything routing reads about this load at `now`, in one object (kept until the next event)."""
         pending = self._pending
-        if pending and pending[0].at <= now - DISPATCH_FORGET_AFTER_S:
-            self._forget_before(now - DISPATCH_FORGET_AFTER_S)
+        if pending and pending[0].at <= now - self.forget_after_s:
+            self._forget_before(now - self.forget_after_s)
         if self._snapshot_version == self.version:
             return self._snapshot  # type: ignore[return-value]
         snap = self._snapshot = LoadSnapshot(self)

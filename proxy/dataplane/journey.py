@@ -15,7 +15,6 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING
 
-from proxy import loadview
 from proxy.dataplane import http, migration
 from proxy.dataplane.exchange import STREAM, WHOLE, Exchange, Relayed, Retryable, end_stream
 from proxy.dataplane.identity import VIA_HEADER, refuse_loop, request_id, via_chain
@@ -194,7 +193,7 @@ class Journey:
         ticket = dispatcher.begin(decision, policy, routed)
         if routed.stream and ticket.dispatch.prefill_tokens:
             exchange.on_output = partial(dispatcher.first_output, ticket)  # ends its part of the prefill backlog
-        if loadview.ADMIT_AFTER_HEAD:
+        if decision.worker.load.rules.admit_after_head:
             exchange.on_head = partial(dispatcher.upstream_head, ticket)
         outcome: Retryable | Relayed | None = None
         try:

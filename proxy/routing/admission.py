@@ -9,8 +9,9 @@ engine that frees room takes the head of the queue (late binding). A completion,
 registration, drain or removal re-checks each head; arrivals never pass a waiter. A request whose prefix is
 cached somewhere goes to that worker's queue at once; others are held only when predicted to start sooner.
 `kv_high_water` below 1.0 also holds while every candidate's projected KV usage is at or above it (off by
-default). Candidates come from candidates.py's rosters. The rule's derivation and the runs behind each
-threshold: docs/design/admission.md.
+default). Candidates come from candidates.py's rosters. The rules of engine_backlog are config.yaml's
+`proxy.routing.admission`: the controller gives them to every worker's load, at registration and on a config
+edit. The rule's derivation and the runs behind each threshold: docs/design/admission.md.
 """
 
 from __future__ import annotations
@@ -50,11 +51,25 @@ class AdmissionController:
     def __init__(self, registry: Registry, config: ProxyConfig, estimator: FleetEstimator | None = None) -> None:
         self.registry = registry
         self.config = config
+        self.rules = config.routing.admission
         self.estimator = estimator
         self._queues: dict[str, deque[_Waiter]] = {}
         self._waiting = 0
         self.candidate_index = CandidateIndex(registry)
         registry.add_listener(self._on_registry_event)
+        for worker in registry.workers():
+            worker.load.set_rules(self.rules)
+
+    def configure(self, config: ProxyConfig) -> None:
+        """A new config (a live edit): its queue bounds and kv_high_water from the next decision, its admission
+        rules in every worker's load view at once (what the loads count is kept); held requests are looked at
+        again under them."""
+        self.config = config
+        if config.routing.admission != self.rules:
+            self.rules = config.routing.admission
+            for worker in self.registry.workers():
+                worker.load.set_rules(self.rules)
+            self.wake()
 
     # --- the decision ------------------------------------------------------------------------
     async def admit(self, policy: Policy, routed: RoutedRequest, served: str, tried: set[str],
@@ -94,10 +109,11 @@ class AdmissionController:
         decision = policy.select_from(candidates, routed, now)
         if decision.reason == "prefix_owner":
             return decision  # its owner's queue: a freed worker would prefill it again and evict for it
-        if decision.predicted_ttft_s is None or decision.cold_prefill_s is None:
+        prediction = decision.prediction  # kv_cost's; a policy that predicts no times: hold
+        if prediction is None:
             return None
-        held_s = (position + 1) * self._slot_interval_s(candidates.workers, routed) + decision.cold_prefill_s
-        return decision if decision.predicted_ttft_s <= held_s else None
+        held_s = (position + 1) * self._slot_interval_s(candidates.workers, routed) + prediction.cold_prefill_s
+        return decision if prediction.ttft_s <= held_s else None
 
     def _slot_interval_s(self, candidates: Sequence[Worker], routed: RoutedRequest) -> float:
         """Seconds between two requests finishing somewhere in the fleet (each frees a slot)."""
@@ -203,6 +219,8 @@ class AdmissionController:
                 break
 
     def _on_registry_event(self, kind: str, worker: Worker, detail: Any) -> None:
+        if kind == "register":
+            worker.load.set_rules(self.rules)
         if self.estimator is not None:
             if kind == "report":
                 self.estimator.for_worker(worker.worker_id).observe_report(

@@ -1,7 +1,8 @@
 """The routing interface: a policy picks one worker among candidates for one request.
 
-Owns the Policy base class, the Decision it returns, and the name -> policy factory; it does
-not filter candidates (dispatch passes only workers that may take work) and does no I/O.
+Owns the Policy base class, the Decision it returns, the name -> policy factory, and which policy object
+with which knobs serves each model (assign_policies); it does not filter candidates (dispatch passes only
+workers that may take work) and does no I/O.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from proxy.config import FleetConfig
 from proxy.registry import Worker
 from proxy.request import RoutedRequest
 from proxy.routing.candidates import Candidates
 from proxy.routing.estimator import FleetEstimator
+from proxy.routing.prediction import KvCostPrediction
 from proxy.routing.prefix_index import PrefixIndex
+from proxy.routing_config import PolicyKnobs, RoutingConfig
 
 # name -> "module:Class". Adding a policy: one new file and one line here.
 POLICIES: dict[str, str] = {
@@ -35,18 +39,20 @@ POLICIES: dict[str, str] = {
 
 @dataclass(slots=True)
 class Decision:
-    """The chosen worker and why; `kv_tokens` is the KV the request is expected to add there."""
+    """The chosen worker and why; `kv_tokens` is the KV the request is expected to add there.
+
+    `prefill_tokens`: the prompt tokens the worker is expected to compute (not in its cache), counted in its
+    prefill backlog; 0 from policies that do not estimate what a worker caches. `scores`: each scored
+    candidate's cost, for debugging and traces (None: the policy does not score). A policy's own predictions
+    travel in their own type: `prediction` (kv_cost's; None from every other policy).
+    """
 
     worker: Worker
     reason: str
     kv_tokens: int
     scores: dict[str, float] | None = None
-    # kv_cost: what the model predicted on the chosen worker, for learning from what happens
-    prefill_tokens: int = 0  # prompt tokens the worker is expected to compute (not in its cache)
-    media_tokens: int = 0  # of those, image/video tokens
-    predicted_queue_s: float = 0.0
-    predicted_ttft_s: float | None = None
-    cold_prefill_s: float | None = None  # the prefill of the whole prompt there (as on a worker without its prefix)
+    prefill_tokens: int = 0
+    prediction: KvCostPrediction | None = None
 
 
 @dataclass
@@ -57,14 +63,26 @@ class PolicyDeps:
     rng: random.Random = field(default_factory=random.Random)
     estimator: FleetEstimator = field(default_factory=FleetEstimator)
 
+    def configure(self, routing: RoutingConfig) -> None:
+        """Take the fleet-wide knobs of a (new) config; what the index and the estimator hold is kept."""
+        self.prefix_index.configure(routing.prefix_index)
+        self.estimator.configure(routing.estimator)
+
 
 class Policy(ABC):
     """Pick a worker. `candidates` is never empty; every candidate serves the request's model."""
 
     name: ClassVar[str]
 
-    def __init__(self, deps: PolicyDeps) -> None:
+    def __init__(self, deps: PolicyDeps, knobs: PolicyKnobs | None = None) -> None:
         self.deps = deps
+        self.knobs = PolicyKnobs()
+        self.configure(knobs or self.knobs)
+
+    def configure(self, knobs: PolicyKnobs) -> None:
+        """Take new knobs (a config edit): from the next decision on, keeping whatever the policy has learnt.
+        A policy with knobs of its own overrides this to read its section of `knobs`."""
+        self.knobs = knobs
 
     @abstractmethod
     def select(self, candidates: Sequence[Worker], request: RoutedRequest, now: float) -> Decision:
@@ -95,11 +113,47 @@ def policy_names() -> list[str]:
     return list(POLICIES)
 
 
-def make_policy(name: str, deps: PolicyDeps) -> Policy:
-    """Instantiate a policy by name; ValueError naming the known ones for an unknown name."""
+def make_policy(name: str, deps: PolicyDeps, knobs: PolicyKnobs | None = None) -> Policy:
+    """Instantiate a policy by name (with `knobs`, else the defaults); ValueError naming the known ones for an
+    unknown name."""
     target = POLICIES.get(name)
     if target is None:
         raise ValueError(f"unknown routing policy '{name}'; known: {', '.join(POLICIES)}")
     module_name, class_name = target.split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(deps)
+    return cls(deps, knobs)
+
+
+def assign_policies(config: FleetConfig, global_policy: str, deps: PolicyDeps, old_default: Policy | None = None,
+                    old_by_model: dict[str, Policy] | None = None) -> tuple[Policy, dict[str, Policy]]:
+    """The policy of every model without its own (named `global_policy`, with proxy.routing's knobs), and of each
+    model whose `policy` or `routing` differs from those; `deps` take the fleet-wide knobs.
+
+    A config edit passes the running policies (`old_*`): the one that served a model keeps serving it where its
+    name is unchanged, given the new knobs (what it learnt stays). ValueError for an unknown name, before
+    anything changes."""
+    models = [(m.name, m.policy or global_policy, m.routing) for m in config.models]
+    for name in dict.fromkeys([global_policy, *(name for _, name, _ in models)]):
+        if name not in POLICIES:
+            raise ValueError(f"unknown routing policy '{name}'; known: {', '.join(POLICIES)}")
+    routing = config.proxy.routing
+    deps.configure(routing)
+    claimed: set[int] = set()
+
+    def renew(name: str, knobs: PolicyKnobs, old: Policy | None) -> Policy:
+        if old is None or old.name != name or id(old) in claimed:
+            return make_policy(name, deps, knobs)
+        claimed.add(id(old))
+        if old.knobs != knobs:
+            old.configure(knobs)
+        return old
+
+    fleet_knobs = routing.for_model(None)
+    default = renew(global_policy, fleet_knobs, old_default)
+    by_model: dict[str, Policy] = {}
+    old_by_model = old_by_model or {}
+    for model, name, own in models:
+        knobs = routing.for_model(own)
+        if name != global_policy or knobs != fleet_knobs:
+            by_model[model] = renew(name, knobs, old_by_model.get(model, old_default))
+    return default, by_model

@@ -10,7 +10,7 @@ request: one roster per distinct max_model_len) and keeps, per member, whether i
 (WorkerLoad.admits) and, for the policy that asks (kv_aware), its place in a list sorted by a load
 key. Both are updated when the member's load changes (WorkerLoad watchers: report, dispatch,
 finish), O(log n) comparisons each. The one change time makes by itself, forgetting dispatches
-DISPATCH_FORGET_AFTER_S old, is kept in a heap of due times and applied by refresh(now) before a
+`dispatch_forget_after_s` old, is kept in a heap of due times and applied by refresh(now) before a
 decision reads the roster. A decision then costs O(tried + k): Candidates is the roster less the
 workers already tried. Only the rare cases (every fitting worker tried, none fits: 400, stale
 fallback) rebuild the list as before.
@@ -23,7 +23,6 @@ import itertools
 from bisect import bisect_left, insort
 from collections.abc import Callable, Collection, Iterable, Sequence
 
-from proxy import loadview
 from proxy.loadview import WorkerLoad
 from proxy.registry import Registry, Worker
 
@@ -144,11 +143,12 @@ class Roster:
             heapq.heappush(self._expiry, (oldest, next(self._ticket), member))
 
     def refresh(self, now: float) -> None:
-        """Apply what time alone changed by `now`: dispatches DISPATCH_FORGET_AFTER_S old stop counting."""
+        """Apply what time alone changed by `now`: dispatches `dispatch_forget_after_s` old stop counting."""
         heap = self._expiry
         if not heap:
             return
-        cutoff = now - loadview.DISPATCH_FORGET_AFTER_S  # the views' own cutoff, computed the same way
+        # the views' own cutoff, computed the same way (every load holds the proxy's one set of rules)
+        cutoff = now - heap[0][2].load.forget_after_s
         while heap and heap[0][0] <= cutoff:
             at, _, member = heapq.heappop(heap)
             if member.expiry != at or member.worker.worker_id not in self._members:

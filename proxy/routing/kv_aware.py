@@ -1,16 +1,17 @@
 """kv_aware (default): route on what the engines report, corrected for what was just sent.
 
 Owns the cost of sending a request to each candidate and the pick; loads come from loadview.py, cached
-prefixes from prefix_index.py, candidates from candidates.py's rosters.
+prefixes from prefix_index.py, candidates from candidates.py's rosters, the weights from config.yaml
+(`proxy.routing.kv_aware`, routing_config.KvAwareConfig; a model's own under `models[].routing`).
 
-    cost(w) = projected_kv_usage(w) + QUEUE_WEIGHT * queue_depth(w) + INFLIGHT_WEIGHT * in_flight(w)
-            - PREFIX_WEIGHT * min(1, cached_tokens(w) / PREFIX_SATURATION_TOKENS) * cached_tokens(w) / prompt_tokens
-            + BACKLOG_WEIGHT * (prefill_backlog(w) - credit(w) * cached_tokens(w)) / capacity(w)
-    credit(w) = CACHED_PREFILL_CREDIT + CREDIT_PER_CACHE_SHARE * cached_tokens(w) / capacity(w)
+    cost(w) = projected_kv_usage(w) + queue_weight * queue_depth(w) + inflight_weight * in_flight(w)
+            - prefix_weight * min(1, cached_tokens(w) / prefix_saturation_tokens) * cached_tokens(w) / prompt_tokens
+            + backlog_weight * (prefill_backlog(w) - credit(w) * cached_tokens(w)) / capacity(w)
+    credit(w) = cached_prefill_credit + credit_per_cache_share * cached_tokens(w) / capacity(w)
 
 The lowest cost wins (ties: fewest in flight, then random). A cached prefix keeps its worker until that
 worker is fuller, or has more prompt work queued to prefill, than a copy elsewhere would cost; the in-flight
-term gives a hot prefix replicas once its holder's batch slows every decode there. Only the SHORTLIST least
+term gives a hot prefix replicas once its holder's batch slows every decode there. Only the `shortlist` least
 loaded workers (by the cost without the prefix term, the roster's key) and those the prefix index names are
 scored: the minimum is the full scan's (tests/proxy/test_candidates.py). What each term is for and the runs
 that set each weight: docs/design/kv_aware.md.
@@ -20,63 +21,69 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_left
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from proxy.loadview import WorkerLoad
 from proxy.registry import Worker
 from proxy.request import RoutedRequest
 from proxy.routing.base import Decision, Policy
-from proxy.routing.candidates import Candidates, Entry, Roster
+from proxy.routing.candidates import Candidates, Entry, LoadCost, Roster
+from proxy.routing_config import KvAwareConfig, PolicyKnobs
 
 log = logging.getLogger("kvroute.routing.kv_aware")
 
-QUEUE_WEIGHT = 0.02
-PREFIX_WEIGHT = 1.0
-PREFIX_SATURATION_TOKENS = 1024
-# Weigh the prefix term by the share of the prompt the worker holds (cached_tokens / prompt_tokens; docs/design/kv_aware.md)
-PREFIX_BY_SHARE = True
-# Weight of the prefill backlog (prompt tokens in flight there without output yet, / KV capacity), and the
-# share of a cached prefix's tokens credited against it: docs/design/kv_aware.md, "Prefill backlog"
-BACKLOG_WEIGHT = 10.0
-CACHED_PREFILL_CREDIT = 0.5
-# Off by default (an ablation knob, `credit_per_usage`): the credit grows by this much per unit of the
-# holder's projected KV usage, so long prefixes stay put when caches are full (see "Prefill backlog")
-CREDIT_PER_USAGE = 0.0
-# The credit grows by this much per unit of the cached prefix's share of the worker's KV capacity
-# (cached / capacity): a prefix that fills much of a cache stays put (docs/design/kv_aware.md, "Prefill backlog")
-CREDIT_PER_CACHE_SHARE = 5.0
-# Weight of each request in flight on the worker (its batch and queue; the proxy's own count): see the
-# docs/design/kv_aware.md, "Decode batch"
-INFLIGHT_WEIGHT = 0.03
-# select_from() scores this many of the least loaded candidates plus the prefix holders (module docstring).
-SHORTLIST = 8
+
+# The cost functions below are closures over one KvAwareConfig's weights: they run for every scored worker, and
+# reading a closure's cells is ~3x cheaper than a pydantic model's attributes.
+PrefixBonus = Callable[[RoutedRequest, int, int, float], float]
+WorkerCost = Callable[[WorkerLoad, RoutedRequest, int, float], float]
 
 
-def load_cost(load: WorkerLoad) -> float:
+def load_cost_of(knobs: KvAwareConfig) -> LoadCost:
     """cost() of a worker holding no prefix of the request, as of its load's last event (the roster's key)."""
-    usage, queue = load.usage_and_queue()
-    return (usage + QUEUE_WEIGHT * queue + INFLIGHT_WEIGHT * load.in_flight
-            + BACKLOG_WEIGHT * load.prefill_backlog / load.capacity_tokens)
+    queue_weight, inflight_weight, backlog_weight = knobs.queue_weight, knobs.inflight_weight, knobs.backlog_weight
+
+    def load_cost(load: WorkerLoad) -> float:
+        usage, queue = load.usage_and_queue()
+        return (usage + queue_weight * queue + inflight_weight * load.in_flight
+                + backlog_weight * load.prefill_backlog / load.capacity_tokens)
+
+    return load_cost
 
 
-def prefix_bonus(request: RoutedRequest, cached: int, capacity_tokens: int, usage: float = 0.0) -> float:
-    """The prefix terms of cost(): what holding `cached` of the request's prompt tokens is worth on a worker
-    (its KV-unit bonus, and the prefill it saves in backlog units; `usage`: the worker's projected KV usage)."""
-    if not cached:
-        return 0.0
-    bonus = PREFIX_WEIGHT * min(1.0, cached / PREFIX_SATURATION_TOKENS)
-    if PREFIX_BY_SHARE and request.prompt_tokens > cached:
-        bonus *= cached / request.prompt_tokens
-    credit = CACHED_PREFILL_CREDIT + CREDIT_PER_USAGE * usage + CREDIT_PER_CACHE_SHARE * cached / capacity_tokens
-    return bonus + BACKLOG_WEIGHT * credit * cached / capacity_tokens
+def prefix_bonus_of(knobs: KvAwareConfig) -> PrefixBonus:
+    """The prefix terms of cost(): prefix_bonus(request, cached, capacity_tokens, usage) is what holding `cached` of
+    the request's prompt tokens is worth on a worker (its KV-unit bonus, and the prefill it saves in backlog units;
+    `usage`: the worker's projected KV usage)."""
+    prefix_weight, saturation, by_share = knobs.prefix_weight, knobs.prefix_saturation_tokens, knobs.prefix_by_share
+    credit_base, per_usage, per_share = knobs.cached_prefill_credit, knobs.credit_per_usage, knobs.credit_per_cache_share
+    backlog_weight = knobs.backlog_weight
+
+    def prefix_bonus(request: RoutedRequest, cached: int, capacity_tokens: int, usage: float = 0.0) -> float:
+        if not cached:
+            return 0.0
+        bonus = prefix_weight * min(1.0, cached / saturation)
+        if by_share and request.prompt_tokens > cached:
+            bonus *= cached / request.prompt_tokens
+        credit = credit_base + per_usage * usage + per_share * cached / capacity_tokens
+        return bonus + backlog_weight * credit * cached / capacity_tokens
+
+    return prefix_bonus
 
 
-def worker_cost(load: WorkerLoad, request: RoutedRequest, cached: int, now: float) -> float:
-    """cost(w) of the module docstring for a worker that caches `cached` of the request's prompt tokens."""
-    usage = load.projected_kv_usage(now)
-    return (usage + QUEUE_WEIGHT * load.queue_depth(now) + INFLIGHT_WEIGHT * load.in_flight
-            + BACKLOG_WEIGHT * load.prefill_backlog / load.capacity_tokens
-            - prefix_bonus(request, cached, load.capacity_tokens, usage))
+def worker_cost_of(knobs: KvAwareConfig) -> WorkerCost:
+    """cost(w) of the module docstring: worker_cost(load, request, cached, now) for a worker that caches `cached` of
+    the request's prompt tokens."""
+    queue_weight, inflight_weight, backlog_weight = knobs.queue_weight, knobs.inflight_weight, knobs.backlog_weight
+    prefix_bonus = prefix_bonus_of(knobs)
+
+    def worker_cost(load: WorkerLoad, request: RoutedRequest, cached: int, now: float) -> float:
+        usage = load.projected_kv_usage(now)
+        return (usage + queue_weight * load.queue_depth(now) + inflight_weight * load.in_flight
+                + backlog_weight * load.prefill_backlog / load.capacity_tokens
+                - prefix_bonus(request, cached, load.capacity_tokens, usage))
+
+    return worker_cost
 
 
 def cached_tokens(request: RoutedRequest, depth: int) -> int:
@@ -86,6 +93,15 @@ def cached_tokens(request: RoutedRequest, depth: int) -> int:
 
 class KvAwarePolicy(Policy):
     name = "kv_aware"
+    config: KvAwareConfig
+    load_cost: LoadCost  # the roster's order key: a new one (a knob changed) re-sorts the rosters
+    worker_cost: WorkerCost
+
+    def configure(self, knobs: PolicyKnobs) -> None:
+        super().configure(knobs)
+        if getattr(self, "config", None) != knobs.kv_aware:
+            self.config = knobs.kv_aware
+            self.load_cost, self.worker_cost = load_cost_of(self.config), worker_cost_of(self.config)
 
     def select(self, candidates: Sequence[Worker], request: RoutedRequest, now: float) -> Decision:
         depths: dict[str, int] = {}
@@ -100,7 +116,7 @@ class KvAwarePolicy(Policy):
         for worker in candidates:
             load = worker.load
             cached = cached_tokens(request, depths.get(worker.worker_id, 0))
-            cost = worker_cost(load, request, cached, now)
+            cost = self.worker_cost(load, request, cached, now)
             scores[worker.worker_id] = cost
             key = (round(cost, 9), load.in_flight)
             if key < best_key:
@@ -123,7 +139,7 @@ class KvAwarePolicy(Policy):
         if roster is None:  # a plain list (kv_high_water on, or a retry with only stale workers left)
             return self.select(candidates.workers, request, now)
         roster.refresh(now)
-        entries = roster.order(load_cost)
+        entries = roster.order(self.load_cost)
         excluded = candidates.excluded
         scores: dict[str, float] = {}
         # the workers the prefix index names: scored as select() scores them
@@ -137,13 +153,14 @@ class KvAwarePolicy(Policy):
                     continue
                 load = member.load
                 cached = cached_tokens(request, depth)
-                cost = worker_cost(load, request, cached, now)
+                cost = self.worker_cost(load, request, cached, now)
                 scores[wid] = cost
                 holders.append((member.worker, cached, (round(cost, 9), load.in_flight)))
-        # every other candidate costs its order key: the first SHORTLIST of them are the cheapest
+        # every other candidate costs its order key: the first `shortlist` of them are the cheapest
         shortlist: list[Entry] = []
+        limit = self.config.shortlist
         i, size = 0, len(entries)
-        while len(shortlist) < SHORTLIST and i < size:
+        while len(shortlist) < limit and i < size:
             entry = entries[i]
             i += 1
             wid = entry[3].worker.worker_id
@@ -161,7 +178,7 @@ class KvAwarePolicy(Policy):
                 break
             tied_short += 1
         tied = len(tied_holders) + tied_short
-        if tied_short == SHORTLIST:
+        if tied_short == limit:
             # the tie at the minimum may reach past the shortlist: pick among all of it, as select() would
             best, best_cached = self._among_tied(roster, entries, best_key, tied_holders, depths, excluded)
         elif tied == 1:

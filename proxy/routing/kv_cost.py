@@ -8,10 +8,11 @@ prefix bookkeeping lives in prefix_index.py. It does no I/O and never refuses (a
     evict(w)                          # prefill later requests pay again for hot prefixes this one pushes out of w
     delay(w)                          # while the fleet queues: this request's prefill work x the requests behind it
 
-Every term is a time learnt per worker, so nothing needs a hand-tuned weight. Costs within RESOLUTION_S are
+Every term is a time learnt per worker, so nothing needs a hand-tuned weight. Costs within `resolution_s` are
 equal (then lowest projected KV usage, fewest in flight, random). A hot prefix stays with its owner until a
-copy is predicted faster (reason "replica"). Above SHORTLIST_ABOVE candidates, SHORTLIST random ones plus the
-prefix holders are scored. Each term's formula and why: docs/design/decision-model.md.
+copy is predicted faster (reason "replica"). Above `shortlist_above` candidates, `shortlist` random ones plus the
+prefix holders are scored (`proxy.routing.kv_cost`, routing_config.KvCostConfig). The pick's own predictions go
+with its Decision as a KvCostPrediction. Each term's formula and why: docs/design/decision-model.md.
 """
 
 from __future__ import annotations
@@ -27,19 +28,18 @@ from proxy.request import RoutedRequest
 from proxy.routing.base import Decision, Policy, PolicyDeps
 from proxy.routing.candidates import Candidates
 from proxy.routing.estimator import WorkerModel
+from proxy.routing.prediction import KvCostPrediction
+from proxy.routing_config import KvCostConfig, PolicyKnobs
 
 log = logging.getLogger("kvroute.routing.kv_cost")
 
-RESOLUTION_S = 0.005
-SHORTLIST_ABOVE = 16
-SHORTLIST = 8
-# random.sample draws indices into a set above this population size for SHORTLIST (21 + 4 ** ceil(log4(3k))).
-_SAMPLE_BY_SET_ABOVE = 21 + 4 ** math.ceil(math.log(SHORTLIST * 3, 4))
 _RANDBELOW = getattr(random.Random, "_randbelow_with_getrandbits", None)
-# Learn the prefill parameters only from requests predicted to have waited little: the queue
-# estimate's error would otherwise be fitted as prefill cost.
-LEARN_MAX_QUEUE_SHARE = 0.25
 _NOT_ANY: frozenset[str] = frozenset()
+
+
+def sample_by_set_above(k: int) -> int:
+    """The population size above which random.sample(population, k) draws indices into a set."""
+    return 21 + 4 ** math.ceil(math.log(k * 3, 4))
 
 
 class Prediction:
@@ -139,26 +139,32 @@ def cached_tokens(request: RoutedRequest, depth: int) -> int:
 
 class KvCostPolicy(Policy):
     name = "kv_cost"
+    config: KvCostConfig
 
-    def __init__(self, deps: PolicyDeps) -> None:
-        super().__init__(deps)
+    def __init__(self, deps: PolicyDeps, knobs: PolicyKnobs | None = None) -> None:
+        super().__init__(deps, knobs)
         self._by_id_for: Sequence[Worker] | None = None
         self._by_id: dict[str, Worker] = {}
         self._by_id_workers: list[Worker] = []
+
+    def configure(self, knobs: PolicyKnobs) -> None:
+        super().configure(knobs)
+        self.config = knobs.kv_cost
+        self._sample_by_set_above = sample_by_set_above(self.config.shortlist)
 
     def select(self, candidates: Sequence[Worker], request: RoutedRequest, now: float) -> Decision:
         return self._select(candidates, request, now, _NOT_ANY)
 
     def select_from(self, candidates: Candidates, request: RoutedRequest, now: float) -> Decision:
         roster = candidates.roster
-        if roster is not None and candidates.excluded and len(candidates) > SHORTLIST_ABOVE:
+        if roster is not None and candidates.excluded and len(candidates) > self.config.shortlist_above:
             # a retry: draw from the roster's own list, passing over the tried workers (no copy of the list)
             return self._select(roster.workers, request, now, candidates.excluded)
         return self.select(candidates.workers, request, now)
 
     def _select(self, candidates: Sequence[Worker], request: RoutedRequest, now: float,
                 excluded: Collection[str]) -> Decision:
-        """select() over `candidates` less the workers in `excluded` (more than SHORTLIST_ABOVE are left)."""
+        """select() over `candidates` less the workers in `excluded` (more than `shortlist_above` are left)."""
         index, estimator = self.deps.prefix_index, self.deps.estimator
         depths = index.match(request.prefix_hashes, None, now) if request.prefix_hashes else {}
         pool = self._shortlist(candidates, depths, excluded)
@@ -175,6 +181,7 @@ class KvCostPolicy(Policy):
         ties = 0
         deepest = 0
         debug = log.isEnabledFor(logging.DEBUG)
+        resolution_s = self.config.resolution_s
         terms_of: dict[str, _Terms] = {}
         scores: dict[str, float] = {}
         for worker, snap in zip(pool, snapshots, strict=True):
@@ -188,8 +195,8 @@ class KvCostPolicy(Policy):
             cost = scores[wid] = terms[7]
             if terms[4] > deepest:
                 deepest = terms[4]
-            # order: (cost in RESOLUTION_S steps, projected KV usage, in flight); ties at random
-            bucket = int(cost / RESOLUTION_S)
+            # order: (cost in resolution_s steps, projected KV usage, in flight); ties at random
+            bucket = int(cost / resolution_s)
             if best_terms is None or bucket < best_bucket or (bucket == best_bucket and (
                     snap.projected_kv_usage < best_usage
                     or (snap.projected_kv_usage == best_usage and snap.in_flight < best_in_flight))):
@@ -217,16 +224,17 @@ class KvCostPolicy(Policy):
                                 for wid, p in predictions.items()))
         kv_tokens = best_pred.uncached + request.expected_output_tokens
         model = estimator.for_worker(best.worker_id)
-        return Decision(best, reason, kv_tokens, scores,
-                        prefill_tokens=best_pred.uncached, media_tokens=best_pred.media_uncached,
-                        predicted_queue_s=best_pred.queue_s, predicted_ttft_s=best_pred.ttft_s,
-                        cold_prefill_s=model.prefill_s(request.prompt_tokens, request.media_tokens))
+        prediction = KvCostPrediction(best_pred.queue_s, best_pred.ttft_s,
+                                      model.prefill_s(request.prompt_tokens, request.media_tokens),
+                                      best_pred.media_uncached)
+        return Decision(best, reason, kv_tokens, scores, prefill_tokens=best_pred.uncached, prediction=prediction)
 
     def _shortlist(self, candidates: Sequence[Worker], depths: dict[str, int],
                    excluded: Collection[str] = ()) -> Sequence[Worker]:
         n = len(candidates)
-        if n <= SHORTLIST_ABOVE:
+        if n <= self.config.shortlist_above:
             return candidates
+        k = self.config.shortlist
         if self._by_id_for is not candidates:
             # A caller may copy the registry's (cached) list per request: the same workers in the same
             # order (compared by identity, in C) keep the map; only a change of workers rebuilds it.
@@ -235,14 +243,14 @@ class KvCostPolicy(Policy):
                 self._by_id_workers = list(candidates)
             self._by_id_for = candidates
         rng = self.deps.rng
-        if n > _SAMPLE_BY_SET_ABOVE and getattr(type(rng), "_randbelow", None) is _RANDBELOW:
+        if n > self._sample_by_set_above and getattr(type(rng), "_randbelow", None) is _RANDBELOW:
             # random.sample's own draws for a large population (same workers, same order, same rng
             # state after: its set branch and _randbelow, inlined), without its per-call set-up
             getrandbits = rng.getrandbits
             bits = n.bit_length()
             chosen: set[int] = set()
             pool: dict[int, Worker] = {}
-            while len(pool) < SHORTLIST:
+            while len(pool) < k:
                 j = getrandbits(bits)
                 if j >= n or j in chosen:
                     continue
@@ -253,7 +261,7 @@ class KvCostPolicy(Policy):
                 pool[id(w)] = w
         else:
             untried = [w for w in candidates if w.worker_id not in excluded] if excluded else candidates
-            pool = {id(w): w for w in rng.sample(untried, SHORTLIST)}
+            pool = {id(w): w for w in rng.sample(untried, min(k, len(untried)))}
         by_id = self._by_id
         for wid in depths:
             if excluded and wid in excluded:
@@ -272,10 +280,14 @@ class KvCostPolicy(Policy):
     def on_finish(self, decision: Decision, request: RoutedRequest, sent_at: float, first_byte_at: float | None,
                   ended_at: float) -> None:
         # Only a streamed answer's first byte is its first token (vLLM sends a non-streamed one whole).
-        if not request.stream or first_byte_at is None or decision.predicted_ttft_s is None:
+        prediction = decision.prediction
+        if not request.stream or first_byte_at is None or prediction is None:
             return
         model = self.deps.estimator.for_worker(decision.worker.worker_id)
         measured = first_byte_at - sent_at
-        if decision.predicted_queue_s <= LEARN_MAX_QUEUE_SHARE * measured:
-            model.observe_prefill(decision.prefill_tokens, decision.media_tokens, measured - decision.predicted_queue_s)
+        # learn the prefill parameters only from requests predicted to have waited little: the queue
+        # estimate's error would otherwise be fitted as prefill cost
+        if prediction.queue_s <= self.config.learn_max_queue_share * measured:
+            model.observe_prefill(decision.prefill_tokens, prediction.uncached_media_tokens,
+                                  measured - prediction.queue_s)
         model.observe_turnover(ended_at - first_byte_at)

@@ -1,10 +1,10 @@
 """prefix: cache-aware routing over the prefix index, yielding to load when the fleet is imbalanced.
 
 Like SGLang's cache_aware, but over token-weighted prefix blocks that hash images by content:
-when in-flight counts differ by more than IMBALANCE_ABS and IMBALANCE_REL x, take the least
+when in-flight counts differ by more than `imbalance_abs_requests` and `imbalance_ratio` x, take the least
 loaded worker; otherwise the worker holding the longest prefix if it covers more than
-MIN_MATCH_FRACTION of the prompt; otherwise the worker with the fewest requests in flight (exact
-and instantaneous; ties by projected KV usage, then at random). Ranking by reported KV usage first
+`min_match_fraction` of the prompt; otherwise the worker with the fewest requests in flight (exact
+and instantaneous; ties by projected KV usage, then at random). Knobs: `proxy.routing.prefix`. Ranking by reported KV usage first
 herded every request between two reports onto the worker that reported lowest: +78 ms p50 in
 bench/overhead.py on distinct prompts.
 """
@@ -17,25 +17,22 @@ from proxy.registry import Worker
 from proxy.request import RoutedRequest
 from proxy.routing.base import Decision, Policy
 
-IMBALANCE_ABS = 32
-IMBALANCE_REL = 1.5
-MIN_MATCH_FRACTION = 0.3
-
 
 class PrefixPolicy(Policy):
     name = "prefix"
 
     def select(self, candidates: Sequence[Worker], request: RoutedRequest, now: float) -> Decision:
+        knobs = self.knobs.prefix
         loads = [w.load.in_flight for w in candidates]
         low, high = min(loads), max(loads)
-        if high - low > IMBALANCE_ABS and high > IMBALANCE_REL * low:
+        if high - low > knobs.imbalance_abs_requests and high > knobs.imbalance_ratio * low:
             return Decision(self.least_in_flight(candidates), "imbalanced", request.expected_kv_tokens)
         if request.prefix_hashes:
             depths = self.deps.prefix_index.match(request.prefix_hashes, {w.worker_id for w in candidates}, now)
             if depths:
                 deepest = max(depths.values())
                 cached = request.prefix_tokens[deepest - 1]
-                if cached > MIN_MATCH_FRACTION * request.prompt_tokens:
+                if cached > knobs.min_match_fraction * request.prompt_tokens:
                     holders = [w for w in candidates if depths.get(w.worker_id) == deepest]
                     worker = self.least_in_flight(holders)
                     kv_tokens = max(0, request.prompt_tokens - cached) + request.expected_output_tokens

@@ -3,7 +3,8 @@
 Owns prefix-block -> workers bookkeeping with LRU eviction and a freshness limit, and per worker
 the tokens it is believed to cache (resident) and to have reused (hot); it decides nothing
 (kv_cost, kv_aware and prefix policies read it). Keys are request.py's chained block hashes, so
-a hit on block i means the whole prompt up to block i was seen.
+a hit on block i means the whole prompt up to block i was seen. Its size and freshness limit are
+config.yaml's `proxy.routing.prefix_index` (routing_config.PrefixIndexConfig).
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ from collections import OrderedDict, deque
 from collections.abc import Collection, Mapping, Sequence
 from itertools import repeat
 
-# 65536 blocks of ~32 tokens cover ~2M prompt tokens in about 20 MB of proxy memory.
-DEFAULT_MAX_BLOCKS = 65536
-# Engines evict cached prefixes under pressure; an entry older than this is not trusted.
-DEFAULT_TTL_S = 600.0
+from proxy.routing_config import PrefixIndexConfig
+
+_DEFAULTS = PrefixIndexConfig()
 
 
 class _Block:
@@ -43,7 +43,7 @@ class PrefixIndex:
     The results are those of the block-by-block walk (tests/proxy/test_prefix_index.py checks both).
     """
 
-    def __init__(self, max_blocks: int = DEFAULT_MAX_BLOCKS, ttl_s: float = DEFAULT_TTL_S) -> None:
+    def __init__(self, max_blocks: int = _DEFAULTS.max_blocks, ttl_s: float = _DEFAULTS.ttl_s) -> None:
         self.max_blocks = max_blocks
         self.ttl_s = ttl_s
         self._blocks: OrderedDict[int, _Block] = OrderedDict()
@@ -53,6 +53,11 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def configure(self, knobs: PrefixIndexConfig) -> None:
+        """New limits (a config edit): entries are kept, the least recently used beyond a smaller size dropped."""
+        self.max_blocks, self.ttl_s = knobs.max_blocks, knobs.ttl_s
+        self._evict()
 
     def _live(self, block_hash: int, worker_ids: Collection[str] | None, oldest: float) -> list[str]:
         block = self._blocks.get(block_hash)
@@ -117,6 +122,11 @@ class PrefixIndex:
                 self._touch(hashes, 0, hot_end, worker_id, seen, now, cum_tokens)
             else:
                 seen.update(zip(head, repeat(now)))
+        self._evict()
+
+    def _evict(self) -> None:
+        """Drop the least recently used blocks beyond max_blocks."""
+        blocks = self._blocks
         while len(blocks) > self.max_blocks:
             old_hash, old = blocks.popitem(last=False)
             for holder, count in old.holders.items():

@@ -10,13 +10,14 @@ from collections.abc import Sequence
 from proxy.registry import Worker
 from proxy.request import RoutedRequest
 from proxy.routing.base import Decision, Policy, PolicyDeps
+from proxy.routing_config import PolicyKnobs
 
 
 class RoundRobinPolicy(Policy):
     name = "round_robin"
 
-    def __init__(self, deps: PolicyDeps) -> None:
-        super().__init__(deps)
+    def __init__(self, deps: PolicyDeps, knobs: PolicyKnobs | None = None) -> None:
+        super().__init__(deps, knobs)
         self._next: dict[str, int] = {}
 
     def select(self, candidates: Sequence[Worker], request: RoutedRequest, now: float) -> Decision:

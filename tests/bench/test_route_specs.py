@@ -1,7 +1,9 @@
-"""How the benchmarks turn a kvroute route spec into a proxy command: knobs, the default policy, other trees."""
+"""How the benchmarks turn a kvroute route spec into a proxy command: knobs (a config file, process settings),
+the default policy, other trees."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from bench.fleet import default_policy, kvroute_command, resolve_default
+from bench.route_spec import parse_route_spec
+from proxy.config import load_config
 
 
 def test_default_with_knobs_is_the_default_policy_with_those_knobs():
@@ -44,12 +48,57 @@ def test_a_tree_knob_runs_the_proxy_of_that_tree_with_the_same_arguments(tmp_pat
     assert "'--port', '8123'" in out and "'--policy', 'kv_aware'" in out
 
 
-def test_a_tree_knob_with_module_knobs_patches_that_trees_modules(tmp_path):
+def test_a_tree_knob_with_process_settings_sets_them_in_that_trees_proxy(tmp_path):
     tree = _tree(tmp_path / "other", "other")
-    _, argv = kvroute_command(f"kv_aware@tree={tree}+inflight_weight=0.1", 8123, tmp_path / "logs")
+    _, argv = kvroute_command(f"kv_aware@tree={tree}+gc_freeze=False", 8123, tmp_path / "logs")
     out = _run(argv)
     assert "ABLATE other " in out
-    assert "proxy.routing.kv_aware.INFLIGHT_WEIGHT=0.1" in out and "'--', 'proxy'" in out
+    assert "proxy.gctuning.FREEZE_AT_START=False" in out and "'--', 'proxy'" in out
+
+
+def _config_of(argv: list[str]) -> dict:
+    return json.loads(Path(argv[argv.index("--config") + 1]).read_text())
+
+
+def test_routing_knobs_go_into_the_config_file_the_proxy_starts_with(tmp_path):
+    policy, argv = kvroute_command("kv_aware@prefix_weight=0+hw=1.0+admission.admit_after_head=true",
+                                   8123, tmp_path / "logs")
+    assert policy == "kv_aware" and argv[:3] == [sys.executable, "-m", "proxy.cli"]  # no patching
+    assert _config_of(argv) == {"proxy": {"kv_high_water": 1.0, "routing": {
+        "kv_aware": {"prefix_weight": 0}, "admission": {"admit_after_head": True}}}}
+    # the file is what an operator's config.yaml would say: the proxy's own loader reads it
+    config = load_config(argv[argv.index("--config") + 1])
+    assert config.proxy.routing.kv_aware.prefix_weight == 0 and config.proxy.routing.admission.admit_after_head
+
+
+def test_a_knob_name_is_its_config_key_in_the_routes_own_policy_first():
+    assert parse_route_spec("kv_aware@shortlist=4").proxy == {"routing": {"kv_aware": {"shortlist": 4}}}
+    assert parse_route_spec("kv_cost@shortlist=4").proxy == {"routing": {"kv_cost": {"shortlist": 4}}}
+    assert parse_route_spec("kv_cost@inflight_weight=0.1").proxy == {"routing": {"kv_aware": {"inflight_weight": 0.1}}}
+    assert parse_route_spec("kv_aware@queue.max_wait_s=5").proxy == {"queue": {"max_wait_s": 5}}
+    # the names earlier runs' commands used (bench/results/) still set the same thing
+    assert parse_route_spec("kv_aware@admit_above_kv=0.5+admit_prefill=0").proxy == {"routing": {"admission": {
+        "confirm_above_kv_usage": 0.5, "confirm_above_prefill_tokens": 0}}}
+    assert parse_route_spec("kv_aware@report_interval=0.1").process == ["proxy.protocol.REPORT_INTERVAL_S=0.1"]
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("kv_aware@prefix_wieght=0", r"unknown knob 'prefix_wieght'"),
+    ("round_robin@shortlist=4", r"'shortlist' .* is a key of kv_aware, kv_cost: say which"),
+    ("kv_aware@prefix_weight=-1", r"proxy\.routing\.kv_aware\.prefix_weight \(line 1\): must be >= 0"),
+    ("kv_aware@kv_cost.shortlist_over=4", r"proxy\.routing\.kv_cost\.shortlist_over \(line 1\): unknown key"),
+])
+def test_a_knob_the_config_would_refuse_is_refused_before_anything_starts(tmp_path, spec, message):
+    with pytest.raises(ValueError, match=message):
+        kvroute_command(spec, 8123, tmp_path / "logs")
+    assert not (tmp_path / "logs").exists()
+
+
+def test_ablate_sets_only_process_settings():
+    done = subprocess.run([sys.executable, "-m", "bench.ablate", "proxy.routing.kv_aware.PREFIX_WEIGHT=0", "--",
+                           "--help"], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode != 0 and "not a process setting" in done.stderr
 
 
 def test_a_tree_that_is_not_a_kvroute_checkout_is_refused(tmp_path):

@@ -61,11 +61,12 @@ def test_file_edits_and_apply_change_models_policies_and_live_keys_and_scale_is_
 
         # `kvroute apply` of another file says what changed live and what waits for a restart
         other = tmp_path / "other.yaml"
-        other.write_text(edited.replace("  retries: 4", "  retries: 1\n  queue: {max_wait_s: 12}"))
+        other.write_text(edited.replace("  retries: 4", "  retries: 1\n  queue: {max_wait_s: 12}\n"
+                                                      "  routing: {kv_aware: {queue_weight: 0.05}}"))
         applied = subprocess.run([*KVROUTE, "apply", str(other), "--proxy", fleet.url], capture_output=True,
                                  text=True, timeout=60)
         assert applied.returncode == 0, applied.stderr
-        assert "proxy: changed live: proxy.retries, proxy.queue" in applied.stdout
+        assert "proxy: changed live: proxy.retries, proxy.queue, proxy.routing" in applied.stdout
         assert "need a restart of the proxy: proxy.max_body_bytes" in applied.stdout
 
         # `kvroute scale` writes the count into the watched file, keeping its comments

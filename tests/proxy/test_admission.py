@@ -14,13 +14,15 @@ import pytest
 
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError
-from proxy.loadview import DISPATCH_VISIBLE_AFTER_S
 from proxy.protocol import LoadReport, WorkerRegistration
 from proxy.registry import Registry
 from proxy.request import CHAT, parse_request
 from proxy.routing.admission import AdmissionController
 from proxy.routing.base import PolicyDeps, make_policy
 from proxy.routing.prefix_index import PrefixIndex
+from proxy.routing_config import AdmissionConfig
+
+DISPATCH_VISIBLE_AFTER_S = AdmissionConfig().dispatch_visible_after_s
 
 
 class Clock:
@@ -224,15 +226,13 @@ def test_kv_high_water_below_one_keeps_the_old_gate_when_asked_for():
     asyncio.run(scenario())
 
 
-def test_with_admit_after_output_requests_sent_since_the_report_hold_the_next_until_one_has_output(monkeypatch):
-    from proxy import loadview
-
-    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT", True)
-    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT_ABOVE_KV", 0.0)  # at any KV use and prompt length
-    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT_PREFILL_TOKENS", 0)
+def test_with_admit_after_output_requests_sent_since_the_report_hold_the_next_until_one_has_output():
+    # at any KV use and prompt length
+    rules = {"admit_after_output": True, "confirm_above_kv_usage": 0.0, "confirm_above_prefill_tokens": 0}
 
     async def scenario():
-        clock, registry, admission, _ = setup({"a": None, "b": None}, queue={"max_length": 8, "max_wait_s": 3600})
+        clock, registry, admission, _ = setup({"a": None, "b": None}, queue={"max_length": 8, "max_wait_s": 3600},
+                                              routing={"admission": rules})
         policy = make_policy("kv_aware", PolicyDeps(prefix_index=PrefixIndex(), rng=random.Random(1)))
         for wid in ("a", "b"):
             report(registry, wid, 0.5, running=4, waiting=0)

@@ -2,7 +2,7 @@
 
 On seeded random fleets (real Registry, AdmissionController, PrefixIndex; a hand-set clock): random
 readings, dispatches and finishes, old dispatches that time forgets, prefixes held by a few workers,
-tried workers. select_from() (the roster's load order, SHORTLIST least loaded + prefix holders) must
+tried workers. select_from() (the roster's load order, `shortlist` least loaded + prefix holders) must
 pick a worker whose cost key equals the best of select() over every candidate; ties at the minimum
 are shared by every tied worker, not just the first few in the order.
 """
@@ -17,15 +17,20 @@ import pytest
 
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError
-from proxy.loadview import DISPATCH_FORGET_AFTER_S, Dispatch, EngineReading
+from proxy.loadview import Dispatch, EngineReading
 from proxy.protocol import WorkerRegistration
 from proxy.registry import Registry, Worker
 from proxy.request import CHAT, parse_request
 from proxy.routing.admission import AdmissionController
 from proxy.routing.base import PolicyDeps, make_policy
 from proxy.routing.candidates import Roster, members_in_order
-from proxy.routing.kv_aware import BACKLOG_WEIGHT, INFLIGHT_WEIGHT, QUEUE_WEIGHT, SHORTLIST, load_cost
+from proxy.routing.kv_aware import load_cost_of
 from proxy.routing.prefix_index import PrefixIndex
+from proxy.routing_config import AdmissionConfig, KvAwareConfig
+
+KV_AWARE = KvAwareConfig()  # the knobs the policies here run with: config.yaml's defaults
+load_cost = load_cost_of(KV_AWARE)
+DISPATCH_FORGET_AFTER_S = AdmissionConfig().dispatch_forget_after_s
 
 
 class Clock:
@@ -116,7 +121,7 @@ def test_the_shortlist_picks_a_worker_as_cheap_as_the_full_scans_best(seed, size
             assert fast.worker.worker_id not in tried
             assert (round(scores[fast.worker.worker_id], 9), fast.worker.load.in_flight) == best
             # what it expects to add there counts the same cached prefix as the full scan would
-            assert len(fast.scores or {}) <= SHORTLIST + len(fleet.deps.prefix_index.match(
+            assert len(fast.scores or {}) <= KV_AWARE.shortlist + len(fleet.deps.prefix_index.match(
                 request.prefix_hashes, None, fleet.clock.now))
             checked += 1
     assert checked == 200
@@ -144,9 +149,9 @@ def assert_order_is_true(fleet: Fleet, roster: Roster) -> None:
     entries = list(roster.order(load_cost))  # (a copy: computing the views below may not move anything)
     admitting = roster.admitting
     assert entries == sorted(entries)
-    fresh = {w.worker_id: (round(w.load.projected_kv_usage(now) + QUEUE_WEIGHT * w.load.queue_depth(now)
-                                 + INFLIGHT_WEIGHT * w.load.in_flight
-                                 + BACKLOG_WEIGHT * w.load.prefill_backlog / w.load.capacity_tokens, 9),
+    fresh = {w.worker_id: (round(w.load.projected_kv_usage(now) + KV_AWARE.queue_weight * w.load.queue_depth(now)
+                                 + KV_AWARE.inflight_weight * w.load.in_flight
+                                 + KV_AWARE.backlog_weight * w.load.prefill_backlog / w.load.capacity_tokens, 9),
                            w.load.in_flight) for w in roster.workers}
     assert [e[:2] for e in entries] == [fresh[w.worker_id] for w in members_in_order(entries)]
     assert [w.worker_id for w in members_in_order(entries)] != [] and len(entries) == len(roster.workers)
@@ -194,7 +199,7 @@ def test_forgotten_dispatches_reorder_workers_no_event_touched():
     entries = roster.order(load_cost)
     # its KV estimate is gone; its 10 requests still in flight keep it last
     assert entries[-1][3].worker is loaded and entries[0][0] == 0.2
-    assert entries[-1][0] == round(0.2 + 10 * INFLIGHT_WEIGHT, 9)
+    assert entries[-1][0] == round(0.2 + 10 * KV_AWARE.inflight_weight, 9)
 
 
 def test_a_request_longer_than_some_workers_context_goes_only_to_the_others_and_400_past_all():

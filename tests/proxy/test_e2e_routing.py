@@ -29,6 +29,18 @@ def test_a_worker_reporting_095_kv_gets_no_new_request_while_another_has_room(fl
     assert fleet.worker("full")["dispatched_total"] == 0
 
 
+def test_a_routing_weight_set_in_config_yaml_decides_where_requests_go(fleet):
+    # 'queued' reports 10 requests waiting on little KV use, 'roomy' none on more: kv_aware's default weight
+    # of a queued request (0.02 of a full cache) sends everything to 'roomy'; this config weighs queues at 0
+    fleet.start_proxy(config="proxy:\n  routing:\n    kv_aware: {queue_weight: 0}\n")
+    queued, roomy = fleet.start_sims(2, register=False, time_scale=50)
+    fleet.register("queued", queued.url)
+    fleet.register("roomy", roomy.url)
+    with FakeReports(fleet, {"queued": (queued.url, 0.30, 10), "roomy": (roomy.url, 0.40)}):
+        served = Counter(fleet.chat(f"question {i}").headers["x-kvroute-worker"] for i in range(10))
+    assert served == {"queued": 10}
+
+
 def test_a_burst_of_100_spreads_by_projected_usage_not_onto_the_emptiest_looking_worker(fleet):
     fleet.start_proxy()
     # slow enough that the burst is still in flight while it is being dispatched

@@ -199,7 +199,7 @@ def test_each_decision_is_the_lowest_predicted_cost_and_the_scores_are_the_model
         keys = {w.worker_id: (int(preds[w.worker_id].cost_s / 0.005), w.load.projected_kv_usage(now), w.load.in_flight)
                 for w in fleet}
         assert keys[decision.worker.worker_id] == min(keys.values())
-        assert decision.predicted_ttft_s == preds[decision.worker.worker_id].ttft_s
+        assert decision.prediction is not None and decision.prediction.ttft_s == preds[decision.worker.worker_id].ttft_s
         decision.worker.load.start_request(decision.kv_tokens, now, decision.prefill_tokens)
         pol.on_dispatch(decision, req, now)
 

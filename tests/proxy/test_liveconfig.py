@@ -31,3 +31,14 @@ def test_keys_the_file_does_not_set_are_not_reported_and_an_unchanged_file_repor
 def test_an_unknown_policy_is_refused_with_its_key_path():
     with pytest.raises(ConfigError, match=r"models\[0\].policy: unknown routing policy 'nope'"):
         merge(RUNNING, parse_config("models:\n  - {name: m, engine: sim, policy: nope}\n"))
+
+
+def test_routing_knobs_change_live_globally_and_per_model():
+    running = parse_config("models:\n  - {name: m, engine: sim}\n  - {name: n, engine: sim}\n")
+    new = parse_config("proxy:\n  routing:\n    admission: {admit_after_output: false}\n"
+                       "models:\n  - {name: m, engine: sim, routing: {kv_aware: {prefix_weight: 0.5}}}\n"
+                       "  - {name: n, engine: sim}\n  - {name: o, engine: sim, routing: {prefix: {min_match_fraction: 0.5}}}\n")
+    change = merge(running, new)
+    assert change.live == ["proxy.routing", "models[0].routing"] and change.restart == []
+    assert change.config.proxy.routing.admission.admit_after_output is False
+    assert change.config.model("m").routing.kv_aware.prefix_weight == 0.5

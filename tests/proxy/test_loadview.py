@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.loadview import DISPATCH_VISIBLE_AFTER_S, EngineReading, WorkerLoad, parse_engine_metrics
+from proxy.loadview import EngineReading, WorkerLoad, parse_engine_metrics
+from proxy.routing_config import AdmissionConfig
+
+DISPATCH_VISIBLE_AFTER_S = AdmissionConfig().dispatch_visible_after_s
+
+
+def set_rules(load: WorkerLoad, **rules: object) -> None:
+    """What a config edit of proxy.routing.admission does to a worker's load view."""
+    load.set_rules(load.rules.model_copy(update=rules))
 
 
 def test_dispatches_since_the_last_report_raise_projected_usage():
@@ -98,8 +106,6 @@ def test_metrics_without_kv_usage_give_nothing():
 
 
 def test_a_snapshot_shows_the_views_of_its_moment_and_is_renewed_by_every_event():
-    from proxy.loadview import DISPATCH_FORGET_AFTER_S
-
     load = WorkerLoad(capacity_tokens=10_000)
 
     def check(now: float) -> None:
@@ -122,23 +128,21 @@ def test_a_snapshot_shows_the_views_of_its_moment_and_is_renewed_by_every_event(
     check(100.04)
     load.capacity_tokens = 20_000
     check(100.05)
-    check(100.01 + DISPATCH_FORGET_AFTER_S + 0.01)  # the dispatch aged out of the pending counts
+    check(100.01 + load.rules.dispatch_forget_after_s + 0.01)  # the dispatch aged out of the pending counts
     load.finish_request(second)
     check(110.0)
 
 
-def test_an_engine_that_reported_no_queue_admits_once_what_was_sent_since_has_output(monkeypatch):
-    from proxy import loadview
-
-    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT_ABOVE_KV", 0.0)  # whatever the KV use ...
-    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT_PREFILL_TOKENS", 0)  # ... and the prompts to prefill
+def test_an_engine_that_reported_no_queue_admits_once_what_was_sent_since_has_output():
     load = WorkerLoad(capacity_tokens=10_000)
+    # whatever the KV use and the prompts to prefill
+    set_rules(load, confirm_above_kv_usage=0.0, confirm_above_prefill_tokens=0)
     load.record_reading(EngineReading(0.5, 4, 0), now=100.0, source="report")
     first = load.start_request(1000, now=100.01, prefill_tokens=900)
     second = load.start_request(1000, now=100.02, prefill_tokens=900)
-    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT", False)  # the previous default: nothing waited at the report
+    set_rules(load, admit_after_output=False)  # the previous default: nothing waited at the report
     assert load.admits() and load.engine_backlog(100.03) == 0
-    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT", True)
+    set_rules(load, admit_after_output=True)
     assert not load.admits() and load.engine_backlog(100.03) == 2 == load.snapshot(100.03).backlog
     assert load.snapshot(100.03).queued == 0  # what surely waits (kv_cost's queueing time): nothing reported
     whole = load.start_request(1000, now=100.035, prefill_tokens=900, streamed=False)  # output only at its end
@@ -156,26 +160,23 @@ def test_an_engine_that_reported_no_queue_admits_once_what_was_sent_since_has_ou
     # reported no queue takes what it gets
     load.start_request(1000, now=101.0, prefill_tokens=900)
     assert not load.admits()
-    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT_ABOVE_KV", 0.8)  # projected usage 0.6 + 1000 / 10000
-    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT_PREFILL_TOKENS", 4000)  # prompts to prefill: 900 x 3
+    # projected usage 0.6 + 1000 / 10000; prompts to prefill: 900 x 3
+    set_rules(load, confirm_above_kv_usage=0.8, confirm_above_prefill_tokens=4000)
     assert load.prefill_backlog == 2700
     assert load.admits() and load.engine_backlog(101.01) == 0
     load.start_request(1500, now=101.02, prefill_tokens=900)  # 0.85
     assert not load.admits() and load.engine_backlog(101.03) == 2
     # or while the prompts it has not prefilled yet would fill more than a step: one sent now would wait behind them
-    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT_ABOVE_KV", 0.9)
+    set_rules(load, confirm_above_kv_usage=0.9)
     assert load.admits()
     load.start_request(100, now=101.04, prefill_tokens=400)  # 3600 + 400 to prefill
     assert not load.admits() and load.engine_backlog(101.05) == 3
 
 
-def test_with_admit_after_head_the_engines_answer_head_confirms_it_took_the_request_in(monkeypatch):
-    from proxy import loadview
-
-    monkeypatch.setattr(loadview, "ADMIT_AFTER_HEAD", True)
-    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT", False)
-    monkeypatch.setattr(loadview, "ADMIT_AFTER_OUTPUT_PREFILL_TOKENS", 0)  # whatever is left to prefill
+def test_with_admit_after_head_the_engines_answer_head_confirms_it_took_the_request_in():
     load = WorkerLoad(capacity_tokens=10_000)
+    # whatever is left to prefill
+    set_rules(load, admit_after_head=True, admit_after_output=False, confirm_above_prefill_tokens=0)
     load.record_reading(EngineReading(0.5, 4, 0), now=100.0, source="report")
     first = load.start_request(1000, now=100.01, prefill_tokens=900)
     second = load.start_request(1000, now=100.02, prefill_tokens=900)
@@ -184,7 +185,7 @@ def test_with_admit_after_head_the_engines_answer_head_confirms_it_took_the_requ
     assert load.engine_backlog(100.04) == 1 and first.prefilling  # still prefilling: output is another event
     load.first_output(second)  # output implies the head
     assert load.admits() and load.engine_backlog(100.05) == 0
-    monkeypatch.setattr(loadview, "ADMIT_AFTER_HEAD", False)
+    set_rules(load, admit_after_head=False)
     third = load.start_request(1000, now=100.06, prefill_tokens=900)
     load.upstream_head(third)  # without the knob a head confirms nothing, and nothing waits for one
     assert third.unconfirmed and load.admits()
@@ -192,10 +193,9 @@ def test_with_admit_after_head_the_engines_answer_head_confirms_it_took_the_requ
 
 def test_by_default_an_engine_with_kv_room_and_little_to_prefill_takes_what_it_gets_at_once():
     """Holding a request for an engine that will start it in its next step cannot start it sooner."""
-    from proxy import loadview
-
-    assert loadview.ADMIT_AFTER_OUTPUT and loadview.ADMIT_AFTER_OUTPUT_ABOVE_KV == 0.9
-    assert loadview.ADMIT_AFTER_OUTPUT_PREFILL_TOKENS == 4096
+    rules = AdmissionConfig()  # config.yaml's defaults
+    assert rules.admit_after_output and rules.confirm_above_kv_usage == 0.9
+    assert rules.confirm_above_prefill_tokens == 4096
     load = WorkerLoad(capacity_tokens=100_000)
     load.record_reading(EngineReading(0.3, 16, 0), now=100.0, source="report")
     for i in range(16):  # short prompts, nothing output yet: all of them fit the engine's next step
