@@ -40,9 +40,8 @@ def link(name: str) -> Link:
     return links[name]
 
 
-# The kv_role vLLM wants per pool role, by connector. NIXL (and connectors like it that pull both ways) runs
-# kv_both everywhere; the store-based ones write on the producer and read on the consumer.
-_KV_BOTH_EVERYWHERE = frozenset({"NixlConnector", "MultiConnector", "MoRIIOConnector"})
+# The kv_role vLLM wants per pool role: the prefill pool produces KV, the decode pool consumes it, a both pool
+# does either. vLLM 0.32 deprecates kv_both on NIXL's prefill and decode instances, so no connector is special.
 _KV_ROLE_DEFAULT = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
 # Connectors whose decode side needs the prefill answer's kv_transfer_params (the params round trip); the
 # others find the KV by the prompt itself (shared storage: ExampleConnector, LMCache).
@@ -78,11 +77,11 @@ class KvTransfer(_Strict):
     def connector_for(self, device: str) -> str:
         return self.connector or ("NixlConnector" if device == "cuda" else "ExampleConnector")
 
-    def kv_role(self, role: str, device: str) -> str:
+    def kv_role(self, role: str) -> str:
         """vLLM's kv_role for a worker of pool `role`."""
         if role in self.kv_roles:
             return self.kv_roles[role]  # type: ignore[index]
-        return "kv_both" if self.connector_for(device) in _KV_BOTH_EVERYWHERE else _KV_ROLE_DEFAULT.get(role, "kv_both")
+        return _KV_ROLE_DEFAULT.get(role, "kv_both")
 
 
 class EcTransfer(_Strict):

@@ -98,7 +98,7 @@ def test_cpu_vllm_must_name_a_connector_and_example_connector_needs_its_folder()
     shared = with_key("kv_transfer: {connector: ExampleConnector}", cpu)
     assert "models[0].kv_transfer (line 7): ExampleConnector keeps KV in files" in problems_of(shared)
     ok = with_key("kv_transfer: {connector: ExampleConnector, extra: {shared_storage_path: /kv}}", cpu)
-    assert parse(ok).models[0].kv_transfer.kv_role("prefill", "cpu") == "kv_producer"
+    assert parse(ok).models[0].kv_transfer.kv_role("prefill") == "kv_producer"
 
 
 def test_engines_without_roles_and_encoders_without_their_connector_are_refused():
@@ -115,10 +115,8 @@ def test_a_pools_env_follows_the_models_env_rules():
     assert "models[0].pools[1].env" in msg and "refused: LD_PRELOAD" in msg
 
 
-def test_nixl_runs_kv_both_everywhere_and_store_connectors_produce_and_consume():
+def test_the_prefill_pool_produces_and_the_decode_pool_consumes_unless_the_operator_says_otherwise():
     m = parse(with_key("kv_transfer: {kv_roles: {decode: kv_both}}")).models[0]
-    assert m.kv_transfer.connector_for("cuda") == "NixlConnector"
-    assert m.kv_transfer.kv_role("prefill", "cuda") == "kv_both"
-    m = parse(with_key("kv_transfer: {connector: MooncakeConnector, kv_roles: {decode: kv_both}}")).models[0]
-    assert (m.kv_transfer.kv_role("prefill", "cuda"), m.kv_transfer.kv_role("decode", "cuda")) == \
-        ("kv_producer", "kv_both")
+    assert m.kv_transfer.connector_for("cuda") == "NixlConnector"  # vLLM 0.32 deprecates kv_both on NIXL's P and D
+    assert (m.kv_transfer.kv_role("prefill"), m.kv_transfer.kv_role("decode"), m.kv_transfer.kv_role("both")) == \
+        ("kv_producer", "kv_both", "kv_both")

@@ -116,7 +116,7 @@ class WorkerLaunch:
         if m.kv_transfer is not None:
             # the sim plays NIXL's protocol (the params round trip) whatever the connector named
             connector = "NixlConnector" if m.engine == "sim" else m.kv_transfer.connector_for(m.device)
-            kv = {"connector": connector, "kv_role": m.kv_transfer.kv_role(self.role, m.device),
+            kv = {"connector": connector, "kv_role": m.kv_transfer.kv_role(self.role),
                   "extra": m.kv_transfer.extra, "options": m.kv_transfer.options, "link": m.kv_transfer.link}
             flags += ["--kv-transfer", json.dumps(kv, sort_keys=True)]
         if m.ec_transfer is not None:

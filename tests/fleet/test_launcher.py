@@ -66,7 +66,7 @@ def test_each_pool_runs_its_role_with_its_flags_merged_over_the_models():
                           role="prefill")
     args = parse(launch.argv("127.0.0.1", 8101))
     assert args.role == "prefill"
-    assert json.loads(args.kv_transfer) == {"connector": "NixlConnector", "kv_role": "kv_both", "extra": {},
+    assert json.loads(args.kv_transfer) == {"connector": "NixlConnector", "kv_role": "kv_producer", "extra": {},
                                             "options": {}, "link": "rdma-400g"}
     assert args.engine_args == ["--", "--max-model-len", "8192", "--max-num-batched-tokens", "16384"]
 
