@@ -8,6 +8,7 @@ vision tower, keeps its output by image hash, and hands it to a sim whose reques
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 
 import httpx
@@ -135,3 +136,21 @@ def test_an_encode_worker_encodes_once_per_image_and_hands_its_output_over(sim):
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
     assert read_state(w_url)["encoder"]["outputs_received"] == 1
     assert read_state(e_url)["encoder"]["bytes_sent"] == 64 * 2 * 128 * 3  # hidden 128 bf16, 3 feature levels
+
+
+def test_a_decode_worker_keeps_the_lease_alive_while_the_request_waits_for_room(sim):
+    lease = kv(extra={"kv_lease_duration": 1})  # one config for both pools, as kvroute up gives them
+    _, p_url = sim("--role", "prefill", *lease, name="prefill")
+    # room for one request at a time: 8 blocks of 128
+    _, d_url = sim("--role", "decode", "--kv-capacity-tokens", "1024", *lease, name="decode")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        hog = pool.submit(chat, d_url, "hog " * 400, 500)  # ~2 s of decoding, most of the cache
+        wait_until(lambda: read_state(d_url)["num_running"] == 1, 10, what="the long request to run")
+        text = "harbour " * 300
+        params = prefill(p_url, text)["kv_transfer_params"]
+        answer = pool.submit(chat, d_url, text, 4, kv_transfer_params=params)
+        assert hog.result().status_code == 200
+        assert answer.result().status_code == 200, answer.result().text  # waited past the 1 s lease: renewed
+    state = read_state(p_url)
+    assert state["kv_transfer"]["transfers_sent"] == 1 and state["kv_transfer"]["lease_timeouts"] == 0
+    assert state["blocks_held_for_transfer"] == 0
