@@ -23,6 +23,7 @@ parts). Derivation and the terms' sources: docs/design/disaggregation.md.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -123,14 +124,6 @@ class _Prefill:
     uncached: int
 
 
-def _uncached(request: RequestView, cached: int) -> tuple[int, int]:
-    """(uncached prompt tokens, uncached media tokens): the last token is always computed (kv_cost's rule)."""
-    prompt = request.prompt_tokens
-    cached = min(max(cached, 0), prompt - 1) if prompt > 1 else 0
-    uncached = prompt - cached
-    return uncached, request.media_tokens * uncached // prompt if request.media_tokens and prompt else 0
-
-
 def _rendezvous(key: str, worker_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{key}\0{worker_id}".encode(), digest_size=8).digest(), "big")
 
@@ -154,15 +147,26 @@ def choose_encoder(request: RequestView, encoders: list[WorkerView], link: LinkV
 
 
 def _prefill_on(w: WorkerView, request: RequestView, encode: _Encode) -> _Prefill:
-    uncached, media = _uncached(request, w.cached_tokens)
+    # (conditional expressions rather than min/max calls: this runs once per candidate per request)
+    prompt, cached = request.prompt_tokens, w.cached_tokens
+    if prompt > 1:
+        cached = 0 if cached < 0 else prompt - 1 if cached > prompt - 1 else cached  # the last token is computed
+    else:
+        cached = 0
+    uncached = prompt - cached
+    media = request.media_tokens * uncached // prompt if request.media_tokens and prompt else 0
+    queue = w.queue_s
     text_work = w.bias_s + w.s_per_token * uncached
     vision = w.s_per_media_token * media
-    local = w.queue_s + text_work + vision
-    remote = max(encode.seconds, w.queue_s) + text_work  # the prefill waits for the encoder output
-    use_encoder = encode.worker is not None and media > 0 and remote < local
+    local = queue + text_work + vision
+    use_encoder = False
+    if encode.worker is not None and media > 0:
+        # the prefill waits for the encoder output, which the encoder makes while the request would queue anyway
+        remote = (encode.seconds if encode.seconds > queue else queue) + text_work
+        use_encoder = remote < local
     ttft = remote if use_encoder else local
     work = w.s_per_token * uncached + (0.0 if use_encoder else vision)  # the step's own time (bias) runs anyway
-    stall = max(work - w.decode_step_s, 0.0) * w.decoding
+    stall = (work - w.decode_step_s) * w.decoding if work > w.decode_step_s else 0.0
     return _Prefill(w, ttft, stall, encode.worker if use_encoder else None, uncached)
 
 
@@ -173,49 +177,66 @@ def _admit_s(d: WorkerView, need: float) -> float:
     return deficit / d.kv_release_tokens_per_s if d.kv_release_tokens_per_s > 0 else math.inf
 
 
-def plan(request: RequestView, workers: list[WorkerView], link: LinkView) -> Plan:
-    """The plan with the lowest predicted cost (module docstring); ValueError when no worker can generate."""
+def plan(request: RequestView, workers: list[WorkerView], link: LinkView, explain: bool = False) -> Plan:
+    """The plan with the lowest predicted cost (module docstring); ValueError when no worker can generate.
+    `explain`: fill `alternatives` (what the debug decision log shows), at the cost of building their plans."""
     encode = choose_encoder(request, [w for w in workers if w.role == "encode"], link)
-    options: list[tuple[float, float, int, Plan]] = []  # (cost, ttft, 0 aggregated / 1 split, plan)
-    for w in workers:
+    # options as plain tuples, Plans built for the chosen one and the runners-up only: (cost, 0, index, prefill)
+    # for an aggregated plan, (cost, 1, index, decoder, transfer_s, admit_s, moved tokens, ttft) for a split
+    aggregated: list[tuple] = []
+    best_p: _Prefill | None = None
+    for i, w in enumerate(workers):
         if w.role in AGGREGATED_ROLES:
             p = _prefill_on(w, request, encode)
-            ttft = p.ttft_s  # the prefill's last step gives the first token
-            options.append((ttft + p.stall_s, ttft, 0, Plan(
-                "aggregated", w.worker_id, None, None, p.encode, ttft, ttft + p.stall_s,
-                "", {"queue_s": w.queue_s, "prefill_s": p.ttft_s - w.queue_s, "stall_s": p.stall_s,
-                     "cached_tokens": w.cached_tokens, "uncached_tokens": p.uncached, "decoding": w.decoding})))
-    prefills = [_prefill_on(w, request, encode) for w in workers if w.role in PREFILL_ROLES]
-    best_p = min(prefills, key=lambda p: p.ttft_s + p.stall_s, default=None)
+            aggregated.append((p.ttft_s + p.stall_s, 0, i, p))
+        elif w.role in PREFILL_ROLES:
+            p = _prefill_on(w, request, encode)
+            if best_p is None or p.ttft_s + p.stall_s < best_p.ttft_s + best_p.stall_s:
+                best_p = p
+    splits: list[tuple] = []
     if best_p is not None:
-        need = request.prompt_tokens + request.expected_output_tokens
-        for d in workers:
-            if d.role not in DECODE_ROLES or d.worker_id == best_p.worker.worker_id:
+        prompt, need = request.prompt_tokens, request.prompt_tokens + request.expected_output_tokens
+        per_token, latency = link.kv_bytes_per_token / link.bytes_per_s, link.latency_s
+        for i, d in enumerate(workers):
+            if d.role not in DECODE_ROLES:
                 continue
-            moved = request.prompt_tokens - min(d.cached_tokens, request.prompt_tokens)
-            transfer = link.kv_seconds(moved)
+            moved = prompt - d.cached_tokens if d.cached_tokens < prompt else 0
+            transfer = latency + moved * per_token
             admit = _admit_s(d, need - d.cached_tokens)
             ttft = best_p.ttft_s + transfer + admit + d.decode_step_s
-            cost = ttft + best_p.stall_s
-            options.append((cost, ttft, 1, Plan(
-                "disaggregated", None, best_p.worker.worker_id, d.worker_id, best_p.encode, ttft, cost,
-                "", {"queue_s": best_p.worker.queue_s, "prefill_s": best_p.ttft_s - best_p.worker.queue_s,
-                          "stall_s": best_p.stall_s, "transfer_s": transfer, "admit_s": admit,
-                          "decode_step_s": d.decode_step_s, "moved_tokens": moved})))
-    if not options:
+            splits.append((ttft + best_p.stall_s, 1, i, d, transfer, admit, moved, ttft))
+    if not aggregated and not splits:
         raise ValueError("no worker can generate: the candidates need a both or decode worker")
-    options.sort(key=lambda o: (o[0], o[2]))
-    best = options[0][3]
-    aggregated = next((o for o in options if o[2] == 0), None)
-    if best.kind == "disaggregated" and aggregated is not None and aggregated[0] - options[0][0] < RESOLUTION_S:
-        best = aggregated[3]  # no faster by a step's worth: skip the transfer
-    reason = _reason(best, aggregated[3] if aggregated else None, request)
-    others = [o for o in options if o[3] is not best]
-    # the best plan of the other kind first (what a split or staying would have cost), then the runners-up
-    other_kind = next((o for o in others if o[3].kind != best.kind), None)
-    shown = ([other_kind] if other_kind else []) + [o for o in others if o is not other_kind]
-    alternatives = tuple((o[3].describe(), o[0]) for o in shown[:4])
-    return Plan(best.kind, best.worker, best.prefill, best.decode, best.encode, best.ttft_s, best.cost_s, reason,
+    best_agg = min(aggregated, default=None)
+    best_split = min(splits, default=None)
+    chosen = best_agg if best_split is None or (
+        best_agg is not None and best_agg[0] - best_split[0] < RESOLUTION_S) else best_split  # else: skip the transfer
+
+    def make(option: tuple, reason: str = "") -> Plan:
+        if option[1] == 0:
+            p: _Prefill = option[3]
+            w = p.worker
+            return Plan("aggregated", w.worker_id, None, None, p.encode, p.ttft_s, option[0], reason,
+                        {"queue_s": w.queue_s, "prefill_s": p.ttft_s - w.queue_s, "stall_s": p.stall_s,
+                         "cached_tokens": w.cached_tokens, "uncached_tokens": p.uncached, "decoding": w.decoding})
+        assert best_p is not None
+        d, transfer, admit, moved, ttft = option[3:]
+        return Plan("disaggregated", None, best_p.worker.worker_id, d.worker_id, best_p.encode, ttft, option[0],
+                    reason, {"queue_s": best_p.worker.queue_s, "prefill_s": best_p.ttft_s - best_p.worker.queue_s,
+                             "stall_s": best_p.stall_s, "transfer_s": transfer, "admit_s": admit,
+                             "decode_step_s": d.decode_step_s, "moved_tokens": moved})
+
+    best = make(chosen)
+    best = make(chosen, _reason(best, make(best_agg) if best_agg is not None else None, request))
+    if not explain:
+        return best
+    # what the decision log shows it passed over: the best plan of the other kind first, then the runners-up
+    other = best_split if chosen is best_agg else best_agg
+    runners = heapq.nsmallest(4, (o for o in (*aggregated, *splits) if o is not chosen and o is not other),
+                              key=lambda o: (o[0], o[1]))
+    shown = ([other] if other is not None else []) + runners
+    alternatives = tuple((make(o).describe(), o[0]) for o in shown[:4])
+    return Plan(best.kind, best.worker, best.prefill, best.decode, best.encode, best.ttft_s, best.cost_s, best.reason,
                 best.terms, alternatives)
 
 
