@@ -246,16 +246,19 @@ class KvPuller:
             async with self._client().post(self._url(params, path), data=orjson.dumps(body),
                                            headers={"Content-Type": "application/json"}) as resp:
                 return await resp.json() if resp.status == 200 else None
-        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:  # TypeError: odd params
             log.warning("KV exchange with %s:%s failed: %s", params.get("remote_host"), params.get("remote_port"), exc)
             return None
 
     async def _pull(self, request: SimRequest, params: dict[str, Any]) -> None:
         """Pull the blocks the local prefix cache does not already hold; then the request joins the batch."""
         block_size = self.engine.kv.block_size
-        remote_blocks = (params.get("remote_block_ids") or [[]])[0]
-        local_blocks = request.num_computed_tokens // block_size
-        wanted = remote_blocks[local_blocks:]
+        groups = params.get("remote_block_ids")
+        remote_blocks = groups[0] if isinstance(groups, list) and groups and isinstance(groups[0], list) else []
+        wanted = remote_blocks[request.num_computed_tokens // block_size:]
+        if not remote_blocks:  # nothing to pull (vLLM: no remote blocks, no transfer): compute it here
+            self.engine.kv_arrived(request, None, recompute=True)
+            return
         started = self.engine.now()
         async with self._in_link:
             answer = await self._post(params, "/sim/kv/pull", {"remote_request_id": params["remote_request_id"],
@@ -267,7 +270,8 @@ class KvPuller:
         self.counters.transfers_received += 1
         self.counters.bytes_received += int(answer.get("bytes", 0))
         self.counters.transfer_seconds_received += self.engine.now() - started
-        remote_tokens = int(params.get("remote_num_tokens") or request.num_prompt_tokens)
+        remote_tokens = params.get("remote_num_tokens")
+        remote_tokens = remote_tokens if isinstance(remote_tokens, int) else request.num_prompt_tokens
         loaded = max(min(remote_tokens, request.num_prompt_tokens) - request.num_computed_tokens, 0)
         self.engine.kv_arrived(request, loaded)
 
@@ -281,7 +285,11 @@ class KvPuller:
                 if params is None or request.status is not RequestStatus.WAITING:
                     self._queued.pop(request.request_id, None)
                     continue
-                key = (str(params["remote_host"]), int(params["remote_port"]))
+                try:
+                    key = (str(params["remote_host"]), int(params["remote_port"]))
+                except (KeyError, TypeError, ValueError):
+                    self._queued.pop(request.request_id, None)  # its pull will fail and say so
+                    continue
                 by_endpoint.setdefault(key, (params, []))[1].append(str(params["remote_request_id"]))
             for params, ids in by_endpoint.values():
                 with contextlib.suppress(Exception):

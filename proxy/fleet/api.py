@@ -79,7 +79,7 @@ async def post_scale(request: web.Request) -> web.Response:
         return _error(400, f"at most {MAX_REPLICAS} replicas per model", "too_many_replicas", "replicas")
     manager = request.app[FLEET_MANAGER_KEY]
     try:
-        plan = manager.scale(model, replicas, role)
+        plan = manager.scale(model, replicas) if role is None else manager.scale(model, replicas, role)
     except KeyError:
         return _error(404, f"no model or alias named '{model}' in the fleet", "model_not_found", "model")
     except ValueError as exc:  # a pooled model without a role, or a role it has no pool of
