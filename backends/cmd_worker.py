@@ -43,6 +43,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, how long to wait for in-flight requests before stopping")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
+    pd = p.add_argument_group("disaggregated serving (docs/design/disaggregation.md)")
+    pd.add_argument("--role", default="both", choices=["both", "prefill", "decode", "encode"],
+                    help="this worker's pool: both (default) serves whole requests; prefill, decode and encode "
+                         "take their part of one")
+    pd.add_argument("--kv-transfer", default=None, metavar="JSON",
+                    help='how KV moves between pools: {"connector", "kv_role", "extra", "options", "link"} '
+                         "(kvroute up passes its config's kv_transfer); vllm: becomes --kv-transfer-config")
+    pd.add_argument("--ec-transfer", default=None, metavar="JSON",
+                    help='how encoder output moves: {"connector", "extra", "options"}; vllm: --ec-transfer-config')
+
     sim = p.add_argument_group("sim engine")
     sim.add_argument("--preset", default="cpu-tiny", help="hardware/model preset (see backends/sim/presets.py)")
     sim.add_argument("--kv-capacity-tokens", type=int, default=None, help="KV cache size in tokens (preset's if unset)")

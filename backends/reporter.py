@@ -144,7 +144,7 @@ class ProxyReporter:
         report = LoadReport(
             worker_id=self.worker_id, url=self.registration.url, models=self.registration.models,
             engine=self.registration.engine, state=self.state,  # type: ignore[arg-type]
-            kv_cache_usage=min(max(load.kv_cache_usage, 0.0), 1.0),
+            role=self.registration.role, kv_cache_usage=min(max(load.kv_cache_usage, 0.0), 1.0),
             kv_capacity_tokens=load.kv_capacity_tokens or self.registration.kv_capacity_tokens or 0,
             num_running=load.num_running, num_waiting=load.num_waiting,
             prefix_cache_hit_rate=min(max(load.prefix_cache_hit_rate, 0.0), 1.0),

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -34,6 +35,7 @@ from backends.address import advertise_url
 from backends.engines.base import EngineAdapter, EngineLaunch
 from backends.engines.guard import ENGINE_PID_LINE, set_parent_death_signal
 from backends.reporter import Load, ProxyReporter, parse_proxy_urls
+from backends.roles import role_labels, transfer_flag
 from proxy.protocol import WorkerRegistration
 from proxy.security.redact import redact_argv, redact_text
 
@@ -127,7 +129,9 @@ def launch_from_args(args: argparse.Namespace) -> EngineLaunch:
     return EngineLaunch(
         model=args.model, served_model_name=args.served_model_name or Path(args.model.rstrip("/")).name,
         host=args.host, port=port, device=args.device or ("cuda" if gpus else "cpu"), gpus=gpus,
-        engine_args=list(args.engine_args or []),
+        engine_args=list(args.engine_args or []), role=args.role,
+        kv_transfer=transfer_flag(args.kv_transfer, "--kv-transfer"),
+        ec_transfer=transfer_flag(args.ec_transfer, "--ec-transfer"),
     )
 
 
@@ -142,6 +146,7 @@ class Supervisor:
         self.local_url = f"http://{loopback}:{launch.port}"
         self.advertise_url = advertise_url(args.advertise_url, launch.host, launch.port,
                                            parse_proxy_urls(args.proxy_url))
+        launch.advertise_host = urlsplit(self.advertise_url).hostname  # where other pools reach its KV
         log_dir = Path(os.environ.get("KVROUTE_LOG_DIR", tempfile.gettempdir()))
         self.log_path = log_dir / f"kvroute-engine-{adapter.family}-{launch.port}.log"
         self.proc: asyncio.subprocess.Process | None = None
@@ -261,8 +266,9 @@ class Supervisor:
             worker_id=self.args.worker_id, url=self.advertise_url, models=[self.launch.served_model_name],
             engine=self.adapter.running_engine,  # type: ignore[arg-type]
             kv_capacity_tokens=first.kv_capacity_tokens, gpus=self.launch.gpus,
-            labels={"device": self.launch.device, "engine_family": self.adapter.family},
-            api_key=self.api_key,
+            labels={"device": self.launch.device, "engine_family": self.adapter.family,
+                    **role_labels(self.launch.kv_transfer)},
+            api_key=self.api_key, role=self.launch.role,  # type: ignore[arg-type]  # cmd_worker's choices
         )
         self.reporter = ProxyReporter(self.args.proxy_url, registration, self.read_load, token=self.args.proxy_token)
         await self.reporter.start()

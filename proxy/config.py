@@ -13,7 +13,9 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from proxy.pools import EcTransfer, KvTransfer, Pool, PoolConfigError, check_pools
 from proxy.routing_config import PolicyKnobs, RoutingConfig
 from proxy.security.networks import DEFAULT_WORKER_NETWORKS
 
@@ -218,6 +220,32 @@ class ModelConfig(_Strict):
     startup_timeout_s: float = Field(600.0, gt=0)
     limits: RequestLimits = Field(default_factory=RequestLimits,
                                   description="overrides proxy.limits for this model")
+    # disaggregated serving (proxy/pools.py): replicas by role, and how KV / encoder output move between them
+    pools: list[Pool] = Field(default_factory=list, description="replicas by role instead of `replicas`")
+    kv_transfer: KvTransfer | None = None
+    ec_transfer: EcTransfer | None = None
+
+    def pool_list(self) -> list[Pool]:
+        """The pools to run: `pools`, or `replicas` as one pool of role both."""
+        return list(self.pools) or [Pool(role="both", replicas=self.replicas)]
+
+    @model_validator(mode="after")
+    def _pools_fit(self) -> ModelConfig:
+        loc: tuple[str | int, ...] = ("pools",)
+        try:
+            for i, pool in enumerate(self.pools):
+                loc = ("pools", i, "env")
+                self._engine_env_only(pool.env)
+            loc = ("pools",)
+            check_pools(engine=self.engine, device=self.device, gpus_per_replica=self.gpus_per_replica,
+                        replicas_given="replicas" in self.model_fields_set, pools=self.pools,
+                        kv_transfer=self.kv_transfer, ec_transfer=self.ec_transfer)
+        except ValueError as exc:  # blamed on the key it is about (one that is set), so the error names its line
+            if isinstance(exc, PoolConfigError):
+                loc = (exc.key,) if exc.key in self.model_fields_set else ("pools",)
+            raise ValidationError.from_exception_data("ModelConfig", [InitErrorDetails(
+                type=PydanticCustomError("pools", str(exc)), loc=loc, input=None)]) from None
+        return self
 
     @field_validator("env")
     @classmethod

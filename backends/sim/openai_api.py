@@ -50,7 +50,10 @@ class ParsedRequest:
     include_usage: bool
     continuous_usage: bool  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     seed: int
-    response_role: str = "assistant"  # a chat stream's first delta: the last message's role without a generation prompt
+    response_role: str = "assistant"
+    # disaggregated serving, as vLLM takes them (backends/sim/transfer.py, encoder.py)
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None  # a chat stream's first delta: the last message's role without a generation prompt
 
 
 def _positive_int(body: dict[str, Any], name: str) -> int | None:
@@ -118,7 +121,16 @@ def parse_request(body: Any, kind: str, served_model: str, max_model_len: int, d
                          include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
                          continuous_usage=bool(isinstance(options, dict) and options.get("include_usage")
                                                and options.get("continuous_usage_stats")),
-                         seed=seed, response_role=response_role)
+                         seed=seed, response_role=response_role,
+                         kv_transfer_params=_object(body, "kv_transfer_params"),
+                         ec_transfer_params=_object(body, "ec_transfer_params"))
+
+
+def _object(body: dict[str, Any], name: str) -> dict[str, Any] | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, dict):
+        raise ApiError(400, f"{name} must be an object", param=name)
+    return value
 
 
 def new_request_id(kind: str) -> str:
@@ -175,7 +187,8 @@ class ResponseBuilder:
         return chunk
 
     def full_response(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-                      cached_tokens: int) -> dict[str, Any]:
+                      cached_tokens: int, **transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+        """The whole answer; `kv_transfer_params` / `ec_transfer_params` given are added as vLLM adds them."""
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
                                               "annotations": None, "audio": None, "function_call": None,
@@ -188,4 +201,4 @@ class ResponseBuilder:
             obj = "text_completion"
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.parsed.model,
                 "choices": [choice], "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
-                "prompt_logprobs": None}
+                "prompt_logprobs": None, **{k: v for k, v in transfer_params.items() if v is not None}}

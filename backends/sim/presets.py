@@ -49,6 +49,13 @@ class Preset:
     # processor), one request after another: a burst of arrivals reaches the scheduler staggered
     frontend_s: float = 0.0
     frontend_s_per_prompt_token: float = 0.0
+    # what the vision tower hands the LLM per merged media token: the merged output plus Qwen3-VL's DeepStack
+    # features (3 levels on the 8B/32B, 2 on the tiny model), each `hidden_size` bf16 values (encode role)
+    vision_feature_levels: int = 4
+
+    @property
+    def encoder_bytes_per_token(self) -> float:
+        return 2.0 * self.hidden_size * self.vision_feature_levels
 
     def with_overrides(self, **overrides: float | None) -> Preset:
         """A copy with the non-None fields replaced (command-line flags win over the preset)."""
@@ -100,7 +107,7 @@ def builtin_presets() -> dict[str, Preset]:
             # effective rates of the one core vLLM binds its engine to (docs/design/sim.md, `cpu-tiny`)
             hbm_bandwidth=20e9, peak_flops=100e9, mfu=1.0, bw_efficiency=1.0,
             step_overhead_s=0.0034, per_seq_overhead_s=0.00017, prefill_step_overhead_s=0.005,
-            frontend_s=0.001, frontend_s_per_prompt_token=6e-6,
+            frontend_s=0.001, frontend_s_per_prompt_token=6e-6, vision_feature_levels=3,
         ),
     ]
     return {p.name: p for p in presets}

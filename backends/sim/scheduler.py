@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from backends.sim.cost import StepWork
 from backends.sim.kvcache import KVCache, hash_block
@@ -23,6 +24,7 @@ from backends.sim.tokens import FillerText, Prompt
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks allocated, the prompt's KV being pulled (decode role)
     RUNNING = "running"
     FINISHED = "finished"
     ABORTED = "aborted"
@@ -46,6 +48,13 @@ class SimRequest:
     status: RequestStatus = RequestStatus.WAITING
     first_token_time: float | None = None
     finish_time: float | None = None
+    # disaggregated serving (backends/sim/transfer.py, encoder.py): keep the blocks for a decode worker to pull
+    # once finished; the prefill worker's kv_transfer_params to pull the prompt's KV from; the media spans whose
+    # encoder output came from an encode worker (no vision work here); a failed KV load (answered as an error)
+    hold_kv: bool = False
+    remote_kv: dict[str, Any] | None = None
+    encoded_media: frozenset[int] = frozenset()
+    failed: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt.token_ids)
@@ -79,6 +88,7 @@ class ScheduledStep:
     scheduled: list[tuple[SimRequest, int]]
     work: StepWork
     preempted: list[SimRequest]
+    parked: list[SimRequest] = field(default_factory=list)  # admitted to wait for their remote KV
 
 
 @dataclass
@@ -106,6 +116,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
+        self.awaiting_kv: list[SimRequest] = []  # WAITING_FOR_REMOTE_KV: hold blocks, no batch slot
         self.num_preemptions = 0
         self.preemption_log: deque[PreemptionRecord] = deque(maxlen=1000)
         self.prefix_queries_tokens = 0
@@ -127,6 +138,8 @@ class Scheduler:
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            self.awaiting_kv.remove(request)
         else:
             try:
                 self.waiting.remove(request)
@@ -137,6 +150,29 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not in the batch: queued, and parked for their remote KV (vLLM counts both waiting)."""
+        return len(self.waiting) + len(self.awaiting_kv)
+
+    def kv_arrived(self, request: SimRequest, loaded_tokens: int | None, recompute: bool) -> TokenEvent | None:
+        """The pull of a parked request's KV ended: `loaded_tokens` came (None: it failed). It joins the batch
+        with its prompt computed but the last token (whose logits give the first output, as vLLM recomputes it);
+        after a failure it computes what is missing itself (`recompute`), or ends with an error (the event)."""
+        if request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            return None  # aborted meanwhile
+        self.awaiting_kv.remove(request)
+        request.remote_kv = None
+        if loaded_tokens is None and not recompute:
+            self.kv.free(request.request_id)
+            request.status, request.failed = RequestStatus.FINISHED, True
+            return TokenEvent(request, "", True)
+        if loaded_tokens:
+            request.num_computed_tokens = min(request.num_computed_tokens + loaded_tokens, request.num_tokens - 1)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return None
 
     @property
     def recent_prefix_hit_rate(self) -> float:
@@ -171,6 +207,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[SimRequest, int]] = []
         preempted: list[SimRequest] = []
+        parked: list[SimRequest] = []
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -188,7 +225,10 @@ class Scheduler:
                 hits = self.kv.find_cached_prefix(request.token_ids,
                                                   request.full_block_hashes(self.kv.block_size))
                 num_cached = len(hits) * self.kv.block_size
-                num_new = min(request.num_tokens - num_cached, budget)
+                remote = request.remote_kv is not None
+                # a request whose prompt KV comes from a prefill worker takes blocks for all of it now, and no
+                # compute: the pull runs beside the batch (backends/sim/transfer.py)
+                num_new = request.num_tokens - num_cached if remote else min(request.num_tokens - num_cached, budget)
                 if not self.kv.allocate_slots(request.request_id, num_cached, num_new, hits):
                     break  # first come first served: the head waits for room
                 self.waiting.popleft()
@@ -201,12 +241,17 @@ class Scheduler:
                 else:
                     self.preempted_queries_tokens += request.num_tokens
                     self.preempted_hit_tokens += num_cached
+                if remote:
+                    request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                    self.awaiting_kv.append(request)
+                    parked.append(request)
+                    continue
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 scheduled.append((request, num_new))
                 budget -= num_new
 
-        return ScheduledStep(scheduled, self._work_of(scheduled), preempted)
+        return ScheduledStep(scheduled, self._work_of(scheduled), preempted, parked)
 
     @staticmethod
     def _work_of(scheduled: list[tuple[SimRequest, int]]) -> StepWork:
@@ -221,7 +266,9 @@ class Scheduler:
                 prefill_tokens += num_new
             kv_read += start + num_new
             pairs += num_new * start + num_new * (num_new + 1) // 2
-            for span_start, length in request.prompt.media_spans:
+            for index, (span_start, length) in enumerate(request.prompt.media_spans):
+                if index in request.encoded_media:
+                    continue  # an encode worker ran the vision tower; its output came with the request
                 overlap = min(start + num_new, span_start + length) - max(start, span_start)
                 image_tokens += max(overlap, 0)
         return StepWork(prefill_tokens=prefill_tokens, decode_seqs=decode_seqs, prefill_seqs=prefill_seqs,
@@ -247,7 +294,8 @@ class Scheduler:
             done = request.num_output_tokens >= request.max_tokens
             if done:
                 self.running.remove(request)
-                self.kv.free(request.request_id)
+                if not request.hold_kv:  # a prefill worker's blocks wait for the decode worker to pull them
+                    self.kv.free(request.request_id)
                 request.status = RequestStatus.FINISHED
                 request.finish_time = now
                 self.num_finished += 1

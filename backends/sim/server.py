@@ -9,6 +9,9 @@ serves N completion requests and exits abruptly (os._exit(1), no drain) when req
 /health still answers, like a hung GPU); --slow-start S waits S wall seconds before listening.
 Besides vLLM's routes it serves GET /sim/state: the engine's internals as JSON, for tests and benchmarks,
 and GET /sim/feed: the prefix cache and the queues, pushed at every engine step (feed.py; bench/oracle.py).
+Roles (--role, --kv-transfer): a worker with a KV connector keeps a `do_remote_decode` request's blocks for a
+decode worker and pulls a `do_remote_prefill` request's from its prefill worker (transfer.py); an encode worker
+runs only the vision tower (encoder.py), and the others fetch its output when `ec_transfer_params` name it.
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ import signal
 import sys
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 from aiohttp import web
 
 from backends.address import advertise_url
 from backends.reporter import Load, ProxyReporter, parse_proxy_urls
+from backends.roles import role_labels, transfer_flag
+from backends.sim.encoder import EncoderCounters, EncoderOutputs, SimEncoder
 from backends.sim.engine import SimEngine
 from backends.sim.feed import StateFeed
 from backends.sim.metrics import CONTENT_TYPE, SimMetrics
@@ -42,6 +48,13 @@ from backends.sim.openai_api import (
 from backends.sim.presets import Preset, get_preset
 from backends.sim.scheduler import SimRequest
 from backends.sim.tokens import chat_prompt, completion_prompt, public_token_ids
+from backends.sim.transfer import (
+    KvHolder,
+    KvPuller,
+    TransferCounters,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
 from proxy.protocol import WorkerRegistration
 
 log = logging.getLogger("kvroute.sim.server")
@@ -63,8 +76,11 @@ class SimServer:
     """One simulated worker: engine + HTTP surface + fault injection + drain state."""
 
     def __init__(self, preset: Preset, served_model_name: str, time_scale: float = 1.0, seed: int = 0,
-                 fail_rate: float = 0.0, crash_after: int | None = None, stall_after: int | None = None) -> None:
+                 fail_rate: float = 0.0, crash_after: int | None = None, stall_after: int | None = None,
+                 role: str = "both", kv_transfer: dict[str, Any] | None = None,
+                 ec_transfer: dict[str, Any] | None = None) -> None:
         self.preset = preset
+        self.role = role
         self.model = served_model_name
         self.engine = SimEngine(preset, time_scale)
         self.metrics = SimMetrics(self.engine, served_model_name)
@@ -80,6 +96,28 @@ class SimServer:
         self.idle.set()
         self._rng = random.Random(seed)
         self.created = int(time.time())
+        # disaggregated serving: none of it without a connector, as vLLM ignores the params then
+        link_name = str((kv_transfer or {}).get("link") or "rdma-400g")
+        self.transfer = TransferCounters()
+        self.encoder_counters = EncoderCounters()
+        self.holder: KvHolder | None = None
+        self.puller: KvPuller | None = None
+        if kv_transfer is not None and role != "encode":
+            extra, options = kv_transfer.get("extra") or {}, kv_transfer.get("options") or {}
+            lease_s = float(extra.get("kv_lease_duration", 30))
+            self.holder = KvHolder(self.engine, link_name, self.transfer, lease_s)
+            self.puller = KvPuller(self.engine, link_name, self.transfer, lease_s=lease_s,
+                                   recompute_on_failure=options.get("kv_load_failure_policy") == "recompute")
+        self.encoder = SimEncoder(preset, time_scale, link_name, self.encoder_counters) if role == "encode" else None
+        self.encoder_outputs = (EncoderOutputs(link_name, time_scale, self.encoder_counters)
+                                if ec_transfer is not None and role != "encode" else None)
+        self.metrics.add_disagg(self.holder, self.transfer, self.encoder_counters)
+
+    def set_endpoint(self, host: str, port: int) -> None:
+        """Where other workers reach this one for KV and encoder output (the address it registers)."""
+        for side in (self.holder, self.encoder):
+            if side is not None:
+                side.endpoint = (host, port)
 
     # ---- app -----------------------------------------------------------------------------------
     def build_app(self) -> web.Application:
@@ -94,6 +132,9 @@ class SimServer:
         app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_get("/sim/state", self.state)
         app.router.add_get("/sim/feed", self.feed.handle)
+        for side in (self.holder, self.encoder):
+            if side is not None:
+                side.add_routes(app)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -103,6 +144,9 @@ class SimServer:
 
     async def _on_cleanup(self, _app: web.Application) -> None:
         await self.engine.stop()
+        for side in (self.puller, self.encoder_outputs):
+            if side is not None:
+                await side.close()
 
     # ---- simple routes -------------------------------------------------------------------------
     async def models(self, _request: web.Request) -> web.Response:
@@ -146,6 +190,11 @@ class SimServer:
             "preempted_prefix_cache_hits": sched.preempted_hit_tokens,
             "prefix_cache_hit_rate": sched.recent_prefix_hit_rate, "in_flight": self.in_flight,
             "requests_received": self.requests_received, "draining": self.draining, "stalled": self.engine.stalled,
+            "role": self.role, "blocks_held_for_transfer": self.holder.blocks_held if self.holder else 0,
+            "requests_held_for_transfer": self.holder.requests_held if self.holder else 0,
+            "awaiting_remote_kv": len(sched.awaiting_kv), "kv_transfer": vars(self.transfer),
+            "encoder": {**vars(self.encoder_counters),
+                        "cached_items": len(self.encoder.cache) if self.encoder else 0},
         }
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -202,7 +251,17 @@ class SimServer:
         self.in_flight += 1
         self.idle.clear()
         try:
+            if self.encoder is not None:
+                return await self._encode_only(request_id, parsed)
+            if self.encoder_outputs is not None:
+                sim_request.encoded_media = await self.encoder_outputs.fetch(parsed.prompt, parsed.ec_transfer_params)
+            params = parsed.kv_transfer_params
+            sim_request.hold_kv = self.holder is not None and wants_remote_decode(params)
+            if self.puller is not None and wants_remote_prefill(params):
+                sim_request.remote_kv = dict(params)  # type: ignore[arg-type]  # checked: a dict
             queue = self.engine.submit(sim_request)
+            if sim_request.remote_kv is not None and self.puller is not None:
+                self.puller.track(sim_request)
             builder = ResponseBuilder(request_id, parsed)
             if parsed.stream:
                 return await self._stream(request, parsed, builder, sim_request, queue)
@@ -212,8 +271,14 @@ class SimServer:
                 pieces.append(event.text)
                 if event.finished:
                     break
+            if sim_request.failed:  # its KV could not be loaded (vLLM's kv_load_failure_policy "fail")
+                return _error(500, "Internal server error", "InternalServerError")
+            held = self.holder.params(sim_request) if self.holder is not None and sim_request.hold_kv else None
+            # a decode worker reports the prefill worker's cache hit, as vLLM does
+            remote_cached = params.get("remote_prefill_cached_tokens") if wants_remote_prefill(params) else None  # type: ignore[union-attr]
+            cached = remote_cached if isinstance(remote_cached, int) else sim_request.num_cached_tokens
             return _json(builder.full_response("".join(pieces), parsed.finish_reason, sim_request.num_prompt_tokens,
-                                               sim_request.num_output_tokens, sim_request.num_cached_tokens))
+                                               sim_request.num_output_tokens, cached, kv_transfer_params=held))
         finally:
             # normal end, client disconnect (handler cancelled) or a write error: the engine lets go
             self.engine.abort(sim_request)
@@ -233,6 +298,9 @@ class SimServer:
             sent = 0
             while True:
                 event = await queue.get()
+                if sim_request.failed:
+                    await response.write(_sse(error_body(500, "Internal server error", "InternalServerError")))
+                    break
                 data = b""
                 if sent == 0:
                     data = _sse(builder.role_chunk(prompt_tokens if parsed.continuous_usage else None))
@@ -243,7 +311,7 @@ class SimServer:
                 await response.write(data)
                 if event.finished:
                     break
-            if parsed.include_usage:
+            if parsed.include_usage and not sim_request.failed:
                 await response.write(_sse(builder.usage_chunk(prompt_tokens, sim_request.num_output_tokens)))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
@@ -251,14 +319,25 @@ class SimServer:
             log.debug("client of %s went away after %d tokens", sim_request.request_id, sim_request.num_output_tokens)
         return response
 
+    async def _encode_only(self, request_id: str, parsed: ParsedRequest) -> web.StreamResponse:
+        """An encode worker's answer: the vision tower's work, no tokens, where to fetch each output."""
+        items = await self.encoder.encode(parsed.prompt)  # type: ignore[union-attr]  # the caller checked
+        body = ResponseBuilder(request_id, parsed).full_response(
+            "", "stop", len(parsed.prompt.token_ids), 0, 0, ec_transfer_params=items or None)
+        return _json(body)
+
     # ---- load for the proxy --------------------------------------------------------------------
     async def load_reading(self) -> Load:
         """The LoadSource handed to ProxyReporter: read straight from the engine, no /metrics round trip."""
         sched, speed, scale = self.engine.scheduler, self.engine.speed, self.engine.time_scale
         # the proxy measures wall time: a simulated second lasts 1 / time_scale wall seconds
         prefill_rate, decode_step = speed.prefill_tokens_per_s, speed.decode_step_s
+        if self.encoder is not None:  # no KV: its load is the vision tower's queue
+            busy = self.encoder.busy
+            return Load(kv_cache_usage=0.0, num_running=min(busy, 1), num_waiting=max(busy - 1, 0),
+                        kv_capacity_tokens=self.engine.kv.num_blocks * self.engine.kv.block_size)
         return Load(kv_cache_usage=self.engine.kv.usage, num_running=len(sched.running),
-                    num_waiting=len(sched.waiting), prefix_cache_hit_rate=sched.recent_prefix_hit_rate,
+                    num_waiting=sched.num_waiting, prefix_cache_hit_rate=sched.recent_prefix_hit_rate,
                     kv_capacity_tokens=self.engine.kv.num_blocks * self.engine.kv.block_size,
                     prefill_tokens_per_s=prefill_rate * scale if prefill_rate else None,
                     decode_step_s=decode_step / scale if decode_step else None,
@@ -293,8 +372,10 @@ async def serve(args: argparse.Namespace, preset: Preset) -> int:
     if args.slow_start > 0:
         log.info("--slow-start: waiting %.1fs before listening", args.slow_start)
         await asyncio.sleep(args.slow_start)
+    kv_transfer = transfer_flag(args.kv_transfer, "--kv-transfer")
     server = SimServer(preset, model, time_scale=args.time_scale, seed=args.seed, fail_rate=args.fail_rate,
-                       crash_after=args.crash_after, stall_after=args.stall_after)
+                       crash_after=args.crash_after, stall_after=args.stall_after, role=args.role,
+                       kv_transfer=kv_transfer, ec_transfer=transfer_flag(args.ec_transfer, "--ec-transfer"))
     runner = web.AppRunner(server.build_app(), access_log=None, handler_cancellation=True,
                             shutdown_timeout=2.0)
     await runner.setup()
@@ -302,6 +383,8 @@ async def serve(args: argparse.Namespace, preset: Preset) -> int:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # real port when --port 0
     print(f"kvroute-sim listening on http://{args.host}:{port}", flush=True)
+    loopback = args.host in ("127.0.0.1", "localhost", "::1")
+    server.set_endpoint(args.host if args.host not in ("0.0.0.0", "::", "") else "127.0.0.1", port)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -313,10 +396,13 @@ async def serve(args: argparse.Namespace, preset: Preset) -> int:
         # bound to 0.0.0.0: the address the route to the proxy leaves from (never 0.0.0.0 to dial)
         url = await asyncio.to_thread(advertise_url, args.advertise_url, args.host, port,
                                       parse_proxy_urls(args.proxy_url))
+        if not loopback:  # other workers pull KV where the proxy reaches this one
+            server.set_endpoint(urlsplit(url).hostname or args.host, port)
         registration = WorkerRegistration(
             worker_id=args.worker_id, url=url, models=[model], engine="sim",
             kv_capacity_tokens=server.engine.kv.num_blocks * server.engine.kv.block_size,
-            max_model_len=server.engine.max_model_len, labels={"preset": preset.name})
+            max_model_len=server.engine.max_model_len, labels={"preset": preset.name, **role_labels(kv_transfer)},
+            role=args.role)
         reporter = ProxyReporter(args.proxy_url, registration, server.load_reading, token=args.proxy_token)
         await reporter.start()
 

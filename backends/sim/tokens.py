@@ -68,6 +68,7 @@ class Prompt:
 
     token_ids: list[int]
     media_spans: list[tuple[int, int]] = field(default_factory=list)  # (start, length) of media tokens
+    media_keys: list[int] = field(default_factory=list)  # each span's content hash (the encoder cache's key)
     continues: bool = False  # ends inside an open assistant message: the output goes on from its text
 
     @property
@@ -177,7 +178,12 @@ def _part_url(part: dict[str, Any], kind: str) -> str:
     return url
 
 
-def _append_content(content: Any, ids: list[int], spans: list[tuple[int, int]]) -> None:
+def media_hash(key: int) -> str:
+    """A media item's content hash as the sim's kv/ec_transfer_params name it (vLLM's mm_hash plays this part)."""
+    return f"{key:010x}"
+
+
+def _append_content(content: Any, ids: list[int], spans: list[tuple[int, int]], keys: list[int]) -> None:
     if content is None:
         return
     if isinstance(content, str):
@@ -193,6 +199,7 @@ def _append_content(content: Any, ids: list[int], spans: list[tuple[int, int]]) 
             count, key = (image_placeholder if kind == "image_url" else video_placeholder)(_part_url(part, kind))
             ids.append(VISION_START)
             spans.append((len(ids), count))
+            keys.append(key)
             ids.extend(_media_ids(count, key))
             ids.append(VISION_END)
         else:
@@ -207,19 +214,20 @@ def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool = Tr
     text, as vLLM's continue_final_message does (the caller checks it is an assistant message)."""
     ids: list[int] = []
     spans: list[tuple[int, int]] = []
+    keys: list[int] = []
     newline = text_token_ids("\n")
     for i, message in enumerate(messages):
         ids.append(IM_START)
         ids.extend(text_token_ids(f"{message.get('role', 'user')}\n"))
-        _append_content(message.get("content"), ids, spans)
+        _append_content(message.get("content"), ids, spans, keys)
         if continue_final_message and i == len(messages) - 1:
-            return Prompt(ids, spans, continues=bool(message.get("content")))
+            return Prompt(ids, spans, keys, continues=bool(message.get("content")))
         ids.append(IM_END)
         ids.extend(newline)
     if add_generation_prompt:
         ids.append(IM_START)
         ids.extend(text_token_ids("assistant\n"))
-    return Prompt(ids, spans)
+    return Prompt(ids, spans, keys)
 
 
 def completion_prompt(prompt: str | list[int]) -> Prompt:

@@ -1,4 +1,5 @@
-"""`kvroute scale MODEL N`: set one model's replica count through a running proxy's admin API.
+"""`kvroute scale MODEL N [--role ROLE]`: set one model's replica count (or one pool's) through a running
+proxy's admin API.
 
 Owns the command line only; the fleet manager inside `kvroute up` does the work (POST /fleet/scale).
 """
@@ -17,6 +18,8 @@ from proxy.security.tokenfile import token_for
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="model name or alias")
     p.add_argument("replicas", type=int, help="number of replicas wanted (0 drains them all)")
+    p.add_argument("--role", choices=["both", "prefill", "decode", "encode"], default=None,
+                   help="scale this pool of a model with pools (prefill, decode, encode, both)")
     p.add_argument("--proxy", default=os.environ.get("KVROUTE_PROXY_URL", "http://127.0.0.1:8000"),
                    help="proxy base URL (env KVROUTE_PROXY_URL)")
     p.add_argument("--token", default=os.environ.get("KVROUTE_ADMIN_TOKEN"), help="admin token (env KVROUTE_ADMIN_TOKEN)")
@@ -51,4 +54,5 @@ def run(args: argparse.Namespace) -> int:
         print("kvroute scale: replicas must be >= 0", file=sys.stderr)
         return 2
     return post_admin(args.proxy, "/fleet/scale", token_for(args.proxy, args.token),
-                      json={"model": args.model, "replicas": args.replicas})
+                      json={"model": args.model, "replicas": args.replicas,
+                            **({"role": args.role} if args.role else {})})

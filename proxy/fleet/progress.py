@@ -29,7 +29,7 @@ def _settled(manager: Any) -> bool:
 
 def _view(manager: Any, started: float) -> Group:
     replicas = sorted(manager.replicas.values(), key=lambda r: r.worker_id)
-    want = sum(m.replicas for m in manager.desired.models)
+    want = sum(p.replicas for m in manager.desired.models for p in m.pool_list())
     ready = sum(r.ready for r in replicas)
     table = Table(box=None, padding=(0, 2))
     for col in ("worker", "state", "GPUs", "restarts", "note"):

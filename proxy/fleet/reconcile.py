@@ -17,7 +17,7 @@ from typing import Any
 
 from proxy.config import FleetConfig, ModelConfig
 from proxy.fleet.gpus import GpuDemand, GpuPool, plan_assignment
-from proxy.fleet.launcher import WorkerLaunch, spec_fingerprint, worker_id_for
+from proxy.fleet.launcher import PoolSpec, WorkerLaunch, pools_of, spec_fingerprint, worker_id_for
 from proxy.fleet.placement.base import Placement
 from proxy.fleet.proxyclient import ProxyControl, record_state
 from proxy.fleet.supervisor import FAILED, READY, Replica, RestartPolicy
@@ -30,8 +30,30 @@ REGISTRY_POLL_S = 0.5
 
 def local_gpu_demands(config: FleetConfig) -> list[GpuDemand]:
     """GPUs this machine must provide: local replicas that run on CUDA (Ray models get theirs from Ray)."""
-    return [GpuDemand(m.name, m.replicas, m.gpus_per_replica) for m in config.models
-            if m.placement == "local" and m.device == "cuda" and m.gpus_per_replica > 0]
+    return [GpuDemand(p.label, p.replicas, p.model.gpus_per_replica) for m in config.models for p in pools_of(m)
+            if m.placement == "local" and m.device == "cuda" and p.model.gpus_per_replica > 0]
+
+
+def _pool_plan(old: ModelConfig | None, new: ModelConfig) -> str:
+    """What apply() will do to one model, pool by pool when it has pools."""
+    if old is None:
+        return "add " + ", ".join(f"{p.replicas} {p.role} replica(s)" if p.pooled else f"{p.replicas} replica(s)"
+                                  for p in pools_of(new))
+    before = {p.role: p for p in pools_of(old)}
+    steps = []
+    for p in pools_of(new):
+        was = before.pop(p.role, None)
+        prefix = f"{p.role}: " if p.pooled else ""
+        if was is None:
+            steps.append(f"{prefix}add {p.replicas} replica(s)")
+        elif spec_fingerprint(was.model, was.role) != spec_fingerprint(p.model, p.role):
+            steps.append(f"{prefix}rolling restart to the new spec, {was.replicas} -> {p.replicas} replica(s)")
+        elif was.replicas != p.replicas:
+            steps.append(f"{prefix}scale {was.replicas} -> {p.replicas}")
+        else:
+            steps.append(f"{prefix}unchanged")
+    steps += [f"{role}: remove (drain all replicas)" for role in before]
+    return "; ".join(steps)
 
 
 class FleetManager:
@@ -77,15 +99,7 @@ class FleetManager:
         before = {m.name: m for m in self.desired.models}
         plan: dict[str, Any] = {}
         for m in config.models:
-            old = before.pop(m.name, None)
-            if old is None:
-                plan[m.name] = f"add {m.replicas} replica(s)"
-            elif spec_fingerprint(old) != spec_fingerprint(m):
-                plan[m.name] = f"rolling restart to the new spec, {old.replicas} -> {m.replicas} replica(s)"
-            elif old.replicas != m.replicas:
-                plan[m.name] = f"scale {old.replicas} -> {m.replicas}"
-            else:
-                plan[m.name] = "unchanged"
+            plan[m.name] = _pool_plan(before.pop(m.name, None), m)
         for name in before:
             plan[name] = "remove (drain all replicas)"
         # Live proxy keys (policy, timeouts, queue, retries, ...) change now, the others are reported as
@@ -107,11 +121,24 @@ class FleetManager:
         log.info("new desired state: %s", plan)
         return plan
 
-    def scale(self, model: str, replicas: int) -> dict[str, Any]:
+    def scale(self, model: str, replicas: int, role: str | None = None) -> dict[str, Any]:
+        """Set one model's replicas, or one pool's (`role`); KeyError: no such model, ValueError: no such pool
+        (a model with pools needs its role, one without has only role both)."""
         m = self.desired.model(model)
         if m is None:
             raise KeyError(model)
-        models = [mm.model_copy(update={"replicas": replicas}) if mm is m else mm for mm in self.desired.models]
+        if m.pools:
+            if role is None:
+                raise ValueError(f"{m.name} has pools ({', '.join(p.role for p in m.pools)}): say which one to scale")
+            if role not in {p.role for p in m.pools}:
+                raise ValueError(f"{m.name} has no {role} pool ({', '.join(p.role for p in m.pools)})")
+            pools = [p.model_copy(update={"replicas": replicas}) if p.role == role else p for p in m.pools]
+            scaled = m.model_copy(update={"pools": pools})
+        elif role not in (None, "both"):
+            raise ValueError(f"{m.name} has no pools: it has only role both")
+        else:
+            scaled = m.model_copy(update={"replicas": replicas})
+        models = [scaled if mm is m else mm for mm in self.desired.models]
         return self.apply(self.desired.model_copy(update={"models": models}))
 
     # --- running ---------------------------------------------------------------------------
@@ -126,13 +153,19 @@ class FleetManager:
             return self._placements(name)
         return self._placements[name]
 
-    def _current(self, model: str) -> list[Replica]:
-        return [r for r in self.replicas.values() if r.model_name == model and r.state not in ("draining", "stopped")]
+    def _current(self, model: str, role: str) -> list[Replica]:
+        return [r for r in self.replicas.values()
+                if r.model_name == model and r.role == role and r.state not in ("draining", "stopped")]
+
+    def _desired_pools(self) -> dict[tuple[str, str], PoolSpec]:
+        return {(p.name, p.role): p for m in self.desired.models for p in pools_of(m)}
 
     def all_ready(self) -> bool:
-        want = sum(m.replicas for m in self.desired.models)
+        pools = self._desired_pools()
+        want = sum(p.replicas for p in pools.values())
         ready = [r for r in self.replicas.values() if r.ready]
-        fresh = all(r.fingerprint == spec_fingerprint(m) for r in ready if (m := self.desired.model(r.model_name)))
+        fresh = all(r.fingerprint == spec_fingerprint(p.model, p.role)
+                    for r in ready if (p := pools.get((r.model_name, r.role))))
         return self._reconciled_generation == self.generation and len(ready) == want and fresh
 
     def any_failed(self) -> list[Replica]:
@@ -151,26 +184,27 @@ class FleetManager:
                 self.last_error = f"reconcile failed: {exc}"
 
     async def _reconcile_once(self, config: FleetConfig) -> None:
-        wanted = {m.name: m for m in config.models}
-        stops = [r for r in self.replicas.values() if r.model_name not in wanted and r.state not in ("draining", "stopped")]
-        rolling: list[tuple[ModelConfig, Replica]] = []
-        for m in config.models:
-            fp = spec_fingerprint(m)
-            current = self._current(m.name)
+        wanted = {(p.name, p.role) for m in config.models for p in pools_of(m)}
+        stops = [r for r in self.replicas.values()
+                 if (r.model_name, r.role) not in wanted and r.state not in ("draining", "stopped")]
+        rolling: list[tuple[PoolSpec, Replica]] = []
+        for pool in (p for m in config.models for p in pools_of(m)):
+            fp = spec_fingerprint(pool.model, pool.role)
+            current = self._current(pool.name, pool.role)
             by_index = {r.index: r for r in current}
             # Extra replicas go first, failed or unready ones before serving ones.
-            extra = sorted((r for r in current if r.index >= m.replicas), key=lambda r: (r.ready, r.index))
+            extra = sorted((r for r in current if r.index >= pool.replicas), key=lambda r: (r.ready, r.index))
             stops += extra
-            for i in range(m.replicas):
+            for i in range(pool.replicas):
                 r = by_index.get(i)
                 if r is None:
-                    self._spawn(m, i)
+                    self._spawn(pool, i)
                 elif r.worker_id in self._retry and r.fingerprint == fp:
                     self._retry.discard(r.worker_id)
                     await self._stop(r)
-                    self._spawn(m, i)
+                    self._spawn(pool, i)
                 elif r.fingerprint != fp:
-                    rolling.append((m, r))
+                    rolling.append((pool, r))
         if stops:
             await asyncio.gather(*(self._stop(r) for r in stops))
         for m, old in rolling:
@@ -178,11 +212,12 @@ class FleetManager:
                 return  # a newer desired state arrived: start over from it (the loop is woken)
             await self._replace(m, old)
 
-    def _spawn(self, m: ModelConfig, index: int) -> Replica:
+    def _spawn(self, pool: PoolSpec, index: int) -> Replica:
+        m = pool.model
         generation = 0
-        while worker_id_for(m.name, index, generation) in self.replicas:
+        while worker_id_for(m.name, index, generation, pool.role) in self.replicas:
             generation += 1
-        wid = worker_id_for(m.name, index, generation)
+        wid = worker_id_for(m.name, index, generation, pool.role)
         gpus: list[str] | None = None
         if m.placement == "local":
             count = m.gpus_per_replica if m.device == "cuda" else 0
@@ -191,8 +226,8 @@ class FleetManager:
         launch = WorkerLaunch(worker_id=wid, model=m, proxy_url=self.proxy_url, gpus=gpus,
                               drain_grace_s=self.desired.proxy.drain_grace_s,
                               worker_token=self.worker_token,
-                              log_level=self.log_level)
-        r = Replica(launch, index, generation, spec_fingerprint(m), placement, self.restart_policy,
+                              log_level=self.log_level, role=pool.role)
+        r = Replica(launch, index, generation, spec_fingerprint(m, pool.role), placement, self.restart_policy,
                     on_crash=lambda dead: self.control.deregister(dead.worker_id))
         self.replicas[wid] = r
         r.start()
@@ -207,18 +242,19 @@ class FleetManager:
         self.replicas.pop(r.worker_id, None)
         log.info("stopped %s", r.worker_id)
 
-    async def _replace(self, m: ModelConfig, old: Replica) -> None:
+    async def _replace(self, pool: PoolSpec, old: Replica) -> None:
         """Rolling restart of one replica: the new one serves before the old one drains (capacity kept),
         unless the GPUs for both do not exist, then the old one goes first."""
+        m = pool.model
         need = m.gpus_per_replica if m.placement == "local" and m.device == "cuda" else 0
         if need and not self.gpus.can_allocate([need]):
             log.warning("%s: no spare GPUs to start its replacement first; restarting in place", old.worker_id)
             await self._stop(old)
-            new = self._spawn(m, old.index)
+            new = self._spawn(pool, old.index)
             # One replica down at a time: the next one waits until this one serves again.
             await self.until(lambda: new.ready or new.state == FAILED or self._closing, m.startup_timeout_s)
             return
-        new = self._spawn(m, old.index)
+        new = self._spawn(pool, old.index)
         await self.until(lambda: new.ready or new.state == FAILED or self._closing, m.startup_timeout_s)
         if new.ready:
             await self._stop(old)
@@ -277,10 +313,16 @@ class FleetManager:
         models = []
         for m in self.desired.models:
             rs = [r for r in self.replicas.values() if r.model_name == m.name]
+            pools = [{"role": p.role, "desired_replicas": p.replicas, "gpus_per_replica": p.model.gpus_per_replica,
+                      "ready": sum(r.state == READY for r in rs if r.role == p.role),
+                      "failed": sum(r.state == FAILED for r in rs if r.role == p.role),
+                      "fingerprint": spec_fingerprint(p.model, p.role)} for p in pools_of(m)]
             models.append({"name": m.name, "aliases": m.aliases, "engine": m.engine, "placement": m.placement,
-                           "desired_replicas": m.replicas, "gpus_per_replica": m.gpus_per_replica,
+                           "desired_replicas": sum(p["desired_replicas"] for p in pools),
+                           "gpus_per_replica": m.gpus_per_replica,
                            "ready": sum(r.state == READY for r in rs), "failed": sum(r.state == FAILED for r in rs),
-                           "fingerprint": spec_fingerprint(m)})
+                           "fingerprint": spec_fingerprint(m),
+                           "pools": pools if m.pools else []})
         return {"models": models, "replicas": [r.snapshot() for r in self.replicas.values()],
                 "gpus": {"visible": self.gpus.gpus, "free": self.gpus.free(), "source": self.gpus.source},
                 "converged": self.all_ready(), "last_error": self.last_error, "applied_at": self.applied_at}

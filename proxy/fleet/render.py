@@ -62,7 +62,8 @@ def merge_rows(workers: dict[str, dict[str, Any]], fleet: dict[str, Any] | None,
             reason = "engine starting, not registered yet"
         rows.setdefault(rep["model"], []).append(_row(wid, state, reason, rec, rates.get(wid, rep.get("req_per_s")),
                                                       rep.get("gpus") or [], rep.get("started_at"),
-                                                      rep.get("engine"), rep.get("url"), rep.get("restarts", 0)))
+                                                      rep.get("engine"), rep.get("url"), rep.get("restarts", 0),
+                                                      rep.get("role")))
     for wid, rec in workers.items():
         if wid in seen:
             continue
@@ -73,11 +74,12 @@ def merge_rows(workers: dict[str, dict[str, Any]], fleet: dict[str, Any] | None,
 
 
 def _row(wid: str, state: str, reason: str, rec: dict[str, Any], rate: float | None, gpus: list[str],
-         since: float | None, engine: str | None, url: str | None, restarts: int | None) -> dict[str, Any]:
+         since: float | None, engine: str | None, url: str | None, restarts: int | None,
+         role: str | None = None) -> dict[str, Any]:
     report = rec.get("last_report") or {}
     configured = engine or rec.get("engine") or "-"
     running = report.get("engine") or configured
-    return {"worker_id": wid, "state": state, "reason": reason,
+    return {"worker_id": wid, "state": state, "reason": reason, "role": role or rec.get("role") or "both",
             "engine": configured if running in (configured, "unknown") else f"{configured}>{running}",
             "url": rec.get("url") or url or "-", "host": _host(rec.get("url") or url), "gpus": ",".join(gpus) or "-",
             "kv": report.get("kv_cache_usage", rec.get("projected_kv_usage")),
@@ -95,7 +97,8 @@ class _Column:
 
 # Display order. The reason shrinks before anything is dropped, and goes last.
 _COLUMNS = (
-    _Column("worker", "worker"), _Column("state", "state"), _Column("engine", "engine", drop_rank=1),
+    _Column("worker", "worker"), _Column("state", "state"), _Column("role", "role", drop_rank=7),
+    _Column("engine", "engine", drop_rank=1),
     _Column("host", "host", drop_rank=3), _Column("gpus", "GPUs", drop_rank=2), _Column("kv", "KV", True),
     _Column("running", "run", True), _Column("waiting", "wait", True, drop_rank=6),
     _Column("rate", "req/s", True, drop_rank=4), _Column("uptime", "up", True, drop_rank=5),
@@ -105,7 +108,7 @@ _REASON_MIN = 24  # below this the reason is dropped rather than cut to nothing
 
 
 def _cells(r: dict[str, Any], now: float) -> dict[str, str]:
-    return {"worker": r["worker_id"], "state": r["state"], "engine": r["engine"], "host": r["host"],
+    return {"worker": r["worker_id"], "state": r["state"], "role": r["role"], "engine": r["engine"], "host": r["host"],
             "gpus": r["gpus"], "kv": _pct(r["kv"]),
             "running": str(r["running"]) if r["running"] is not None else "-",
             "waiting": str(r["waiting"]) if r["waiting"] is not None else "-",
@@ -120,7 +123,7 @@ def fit_columns(natural: dict[str, int], width: int | None) -> dict[str, int]:
     Columns are separated by 2 spaces. The reason column shrinks first (to _REASON_MIN), then columns
     drop in drop_rank order, then the reason goes too; worker, state, KV and run always stay.
     """
-    widths = {c.key: natural[c.key] for c in _COLUMNS}
+    widths = {c.key: natural[c.key] for c in _COLUMNS if c.key in natural}  # a column left out is not shown
     if width is None:
         return widths
 
@@ -132,7 +135,8 @@ def fit_columns(natural: dict[str, int], width: int | None) -> dict[str, int]:
             widths["reason"] = max(floor, widths["reason"] - (total() - width))
 
     shrink_reason(_REASON_MIN)
-    for col in sorted((c for c in _COLUMNS if c.drop_rank is not None), key=lambda c: c.drop_rank or 0):
+    for col in sorted((c for c in _COLUMNS if c.drop_rank is not None and c.key in widths),
+                      key=lambda c: c.drop_rank or 0):
         if total() <= width:
             break
         del widths[col.key]
@@ -159,10 +163,15 @@ def fleet_tables(workers: dict[str, dict[str, Any]], fleet: dict[str, Any] | Non
         title = Text.assemble((model, "bold"), f"  {ready}/{d['desired_replicas'] if d else len(model_rows)} ready")
         if d:
             title.append(f"  ({d['engine']}, placement {d['placement']})")
+        pools = (d or {}).get("pools") or []
+        if pools:  # a disaggregated model: each pool's ready / desired
+            title.append("  " + ", ".join(f"{p['role']} {p['ready']}/{p['desired_replicas']}" for p in pools))
         cells = [_cells(r, now) for r in model_rows]
         natural = {c.key: max([len(c.header)] + [len(row[c.key]) for row in cells]) for c in _COLUMNS}
         if not any(row["reason"] for row in cells):
             natural["reason"] = 0
+        if all(r["role"] == "both" for r in model_rows):
+            del natural["role"]  # an aggregated model: no role column
         widths = fit_columns(natural, width)
         if not natural["reason"]:
             widths.pop("reason", None)

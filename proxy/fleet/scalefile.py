@@ -16,8 +16,9 @@ class ScaleWriteError(ValueError):
     """The file cannot take the new count (unreadable, not a fleet config, model missing, odd layout)."""
 
 
-def set_replicas(text: str, model: str, replicas: int) -> str:
-    """`text` with models[name == model].replicas set to `replicas` (added after `name:` when absent)."""
+def set_replicas(text: str, model: str, replicas: int, role: str | None = None) -> str:
+    """`text` with models[name == model].replicas set to `replicas` (added after `name:` when absent); with a
+    `role` other than both, that pool's `replicas` in models[name == model].pools."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
@@ -31,6 +32,8 @@ def set_replicas(text: str, model: str, replicas: int) -> str:
         name = _value(entry, "name")
         if not isinstance(name, yaml.ScalarNode) or name.value != model:
             continue
+        if role not in (None, "both") or _value(entry, "pools") is not None:
+            return _set_pool_replicas(text, entry, model, replicas, role)
         current = _value(entry, "replicas")
         if current is not None:
             if not isinstance(current, yaml.ScalarNode):
@@ -48,14 +51,40 @@ def set_replicas(text: str, model: str, replicas: int) -> str:
     raise ScaleWriteError(f"no model named {model!r} in the file")
 
 
-def write_replicas(path: Path, model: str, replicas: int) -> None:
+def _set_pool_replicas(text: str, entry: yaml.MappingNode, model: str, replicas: int, role: str | None) -> str:
+    if role is None:
+        raise ScaleWriteError(f"model {model} has pools: give the role of the one to scale")
+    pools = _value(entry, "pools")
+    if not isinstance(pools, yaml.SequenceNode):
+        raise ScaleWriteError(f"model {model} has no `pools:` list")
+    for pool in pools.value:
+        kind = _value(pool, "role") if isinstance(pool, yaml.MappingNode) else None
+        if not isinstance(kind, yaml.ScalarNode) or kind.value != role:
+            continue
+        assert isinstance(pool, yaml.MappingNode)
+        current = _value(pool, "replicas")
+        if current is not None:
+            if not isinstance(current, yaml.ScalarNode) or "${" in current.value:
+                raise ScaleWriteError(f"replicas of the {role} pool of {model} is not a plain value")
+            return text[:current.start_mark.index] + str(replicas) + text[current.end_mark.index:]
+        if pool.flow_style:  # {role: decode} -> {role: decode, replicas: N}
+            close = text.rindex("}", 0, pool.end_mark.index)
+            return text[:close].rstrip() + f", replicas: {replicas}" + text[close:]
+        line_end = text.find("\n", kind.end_mark.index)
+        line_end = len(text) if line_end < 0 else line_end
+        role_key = next(k for k, _ in pool.value if k.value == "role")
+        return text[:line_end] + f"\n{' ' * role_key.start_mark.column}replicas: {replicas}" + text[line_end:]
+    raise ScaleWriteError(f"model {model} has no pool of role {role}")
+
+
+def write_replicas(path: Path, model: str, replicas: int, role: str | None = None) -> None:
     """Edit `path` in place (write-then-rename, as editors do, so a watcher never reads half a file).
     Blocking file I/O: call through a thread."""
     try:
         text = path.read_text()
     except OSError as exc:
         raise ScaleWriteError(f"cannot read {path}: {exc.strerror}") from None
-    new = set_replicas(text, model, replicas)
+    new = set_replicas(text, model, replicas, role)
     if new == text:
         return
     tmp = path.with_name(f".{path.name}.kvroute-scale")

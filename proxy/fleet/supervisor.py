@@ -47,6 +47,7 @@ class Replica:
         self.launch = launch
         self.worker_id = launch.worker_id
         self.model_name = launch.model.name
+        self.role = launch.role  # its pool's role (both, prefill, decode, encode)
         self.index = index
         self.generation = generation
         self.fingerprint = fingerprint
@@ -182,7 +183,7 @@ class Replica:
     def snapshot(self) -> dict[str, Any]:
         h = self.handle
         return {
-            "worker_id": self.worker_id, "model": self.model_name, "index": self.index,
+            "worker_id": self.worker_id, "model": self.model_name, "role": self.role, "index": self.index,
             "generation": self.generation, "state": self.state, "registered_state": self.registered_state,
             "engine": self.launch.model.engine, "placement": self.placement.name,
             "url": h.url if h else None, "node": h.node if h else None, "pid": h.pid if h else None,

@@ -204,7 +204,7 @@ class DashboardFeed:
         return {
             "id": w.worker_id, "model": w.models[0] if w.models else "?", "models": list(w.models),
             "state": state, "reason": reason, "engine": configured, "effective_engine": reported_engine,
-            "host": _host(w.url), "gpus": [str(g) for g in gpus],
+            "role": w.role, "host": _host(w.url), "gpus": [str(g) for g in gpus],
             "kv": None if reading is None else round(reading.kv_usage, 4),
             "kv_projected": round(min(load.projected_kv_usage(now), 9.99), 4),
             "kv_capacity_tokens": load.capacity_tokens,
@@ -236,6 +236,7 @@ class DashboardFeed:
         return {
             "name": name, "workers": len(mine), "ready": sum(w["state"] == "ready" for w in mine),
             "desired": desired.get("desired_replicas") if desired else None,
+            "pooled": bool(desired and desired.get("pools")),  # scaled per pool: `kvroute scale --role`
             "req_per_s": round(finished / rate_span, 2) if rate_span else 0.0,
             "ttft_p50_s": _quantile(buckets, 0.50), "ttft_p99_s": _quantile(buckets, 0.99),
             "errors": int(new.errors - old_err.errors), "rejected": int(new.rejected - old_err.rejected),
@@ -295,7 +296,7 @@ def _replica_only_row(rep: dict[str, Any], wall: float) -> dict[str, Any]:
     reason = rep.get("last_error") or ("starting its engine" if rep.get("state") == "starting" else "")
     return {"id": rep.get("worker_id"), "model": rep.get("model") or "?", "models": [rep.get("model")],
             "state": rep.get("state"), "reason": reason, "engine": rep.get("engine"),
-            "effective_engine": rep.get("engine"), "host": _host(rep.get("url") or "") if rep.get("url") else "-",
+            "effective_engine": rep.get("engine"), "role": rep.get("role") or "both", "host": _host(rep.get("url") or "") if rep.get("url") else "-",
             "gpus": [str(g) for g in rep.get("gpus") or []], "kv": None, "kv_projected": None,
             "kv_capacity_tokens": None, "running": None, "waiting": None, "in_flight": 0, "prefix_hit_rate": None,
             "req_per_s": None, "uptime_s": max(0.0, round(wall - started, 1)) if started else None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 from backends.engines.base import EngineLaunch
@@ -187,3 +188,26 @@ def test_vllm_speed_falls_back_to_prompt_tokens_less_cache_hits_and_the_older_it
     load = adapter.load_from_metrics(text(10000, 5250, 6, 1.0, 60, 1.2))
     assert load.prefill_tokens_per_s == 8000.0
     assert abs(load.decode_step_s - 0.02) < 1e-9
+
+
+def test_vllm_pools_get_the_kv_and_ec_connector_for_their_role_and_nixl_its_own_side_channel():
+    kv = {"connector": "NixlConnector", "kv_role": "kv_both", "extra": {"kv_lease_duration": 60},
+          "options": {"kv_load_failure_policy": "recompute"}, "link": "rdma-400g"}
+    ec = {"connector": "ECExampleConnector", "extra": {"shared_storage_path": "/ec"}, "options": {}}
+    adapter = VllmAdapter()
+    decode = launch(role="decode", kv_transfer=kv, ec_transfer=ec, advertise_host="10.0.0.7")
+    cmd = adapter.command(decode)
+    assert json.loads(cmd[cmd.index("--kv-transfer-config") + 1]) == {
+        "kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"kv_lease_duration": 60},
+        "kv_load_failure_policy": "recompute"}
+    assert json.loads(cmd[cmd.index("--ec-transfer-config") + 1])["ec_role"] == "ec_consumer"
+    env = adapter.environment(decode, {})
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.0.7" and int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) > 0
+    assert adapter.environment(decode, {"VLLM_NIXL_SIDE_CHANNEL_PORT": "7000"})["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "7000"
+    encode = adapter.command(launch(role="encode", kv_transfer=kv, ec_transfer=ec))
+    assert "--kv-transfer-config" not in encode  # an encoder-only instance holds no KV
+    assert json.loads(encode[encode.index("--ec-transfer-config") + 1])["ec_role"] == "ec_producer"
+    cpu = adapter.command(launch(device="cpu", role="prefill", kv_transfer=kv))
+    assert json.loads(cpu[cpu.index("--kv-transfer-config") + 1])["kv_buffer_device"] == "cpu"
+    given = adapter.command(launch(role="prefill", kv_transfer=kv, engine_args=["--kv-transfer-config", "{}"]))
+    assert given.count("--kv-transfer-config") == 1  # the operator's own flag wins

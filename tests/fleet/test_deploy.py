@@ -14,6 +14,7 @@ import yaml
 from proxy.cli import build_parser
 from proxy.config import load_config, parse_config
 from proxy.fleet.gpus import plan_assignment
+from proxy.fleet.launcher import pools_of
 from proxy.fleet.reconcile import local_gpu_demands
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -133,6 +134,15 @@ def test_8xh100_example_loads_and_fits_eight_gpus():
     used = [g for groups in plan.values() for group in groups for g in group]
     assert sorted(used, key=int) == [str(i) for i in range(8)]  # every GPU used once
     assert plan["qwen3-vl-32b"] == [["0", "1"], ["2", "3"]]
+
+
+def test_8xh100_pd_example_loads_and_gives_each_pool_its_gpus_and_role():
+    cfg = load_config(DEPLOY / "examples" / "8xh100-pd.yaml", env=ENV)
+    plan = plan_assignment(local_gpu_demands(cfg), [str(i) for i in range(8)])
+    assert {pool: len(groups) for pool, groups in plan.items()} == {
+        "qwen3-vl-8b/prefill": 2, "qwen3-vl-8b/decode": 5, "qwen3-vl-8b/encode": 1}
+    kinds = {p.role: p.model.kv_transfer.kv_role(p.role) for p in pools_of(cfg.models[0]) if p.role != "encode"}
+    assert kinds == {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
 def test_two_nodes_ray_example_loads():

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 from proxy.cli import build_parser
 from proxy.config import ModelConfig
-from proxy.fleet.launcher import WorkerLaunch, spec_fingerprint, worker_id_for
+from proxy.fleet.launcher import WorkerLaunch, pools_of, spec_fingerprint, worker_id_for
 
 
 def parse(argv: list[str]):
@@ -42,3 +44,48 @@ def test_only_worker_side_changes_restart_replicas():
     for change in ({"engine_args": {"time-scale": 2}}, {"env": {"VLLM_A": "1"}}, {"preset": "h100-qwen3-vl-8b"},
                    {"gpus_per_replica": 1}):
         assert spec_fingerprint(base) != spec_fingerprint(base.model_copy(update=change)), change
+
+
+def pd_model(**changes) -> ModelConfig:
+    data = {"name": "q", "engine": "vllm", "model": "/models/q", "gpus_per_replica": 1,
+            "engine_args": {"max-model-len": 8192}, "env": {"HF_HOME": "/hf"},
+            "pools": [{"role": "prefill", "replicas": 2, "engine_args": {"max-num-batched-tokens": 16384},
+                       "env": {"VLLM_X": "p"}},
+                      {"role": "decode", "replicas": 6, "gpus_per_replica": 2}]}
+    return ModelConfig.model_validate({**data, **changes})
+
+
+def test_each_pool_runs_its_role_with_its_flags_merged_over_the_models():
+    prefill, decode = pools_of(pd_model())
+    assert (prefill.role, prefill.replicas, decode.role, decode.replicas) == ("prefill", 2, "decode", 6)
+    assert prefill.model.engine_args == {"max-model-len": 8192, "max-num-batched-tokens": 16384}
+    assert prefill.model.env == {"HF_HOME": "/hf", "VLLM_X": "p"}
+    assert (prefill.model.gpus_per_replica, decode.model.gpus_per_replica) == (1, 2)
+    assert (prefill.label, worker_id_for("q", 1, 0, "prefill")) == ("q/prefill", "q-prefill-1")
+    launch = WorkerLaunch(worker_id="q-prefill-1", model=prefill.model, proxy_url="http://p", gpus=["0"],
+                          role="prefill")
+    args = parse(launch.argv("127.0.0.1", 8101))
+    assert args.role == "prefill"
+    assert json.loads(args.kv_transfer) == {"connector": "NixlConnector", "kv_role": "kv_producer", "extra": {},
+                                            "options": {}, "link": "rdma-400g"}
+    assert args.engine_args == ["--", "--max-model-len", "8192", "--max-num-batched-tokens", "16384"]
+
+
+def test_an_aggregated_model_keeps_its_ids_flags_and_fingerprint_shape():
+    (only,) = pools_of(ModelConfig(name="tiny", engine="sim", replicas=3))
+    assert (only.role, only.replicas, only.label, only.model.kv_transfer) == ("both", 3, "tiny", None)
+    args = parse(WorkerLaunch(worker_id="tiny-0", model=only.model, proxy_url="http://p").argv("h", 1))
+    assert (args.role, args.kv_transfer) == ("both", None)
+
+
+def test_a_pools_change_restarts_that_pool_only_and_its_count_restarts_nothing():
+    before = {p.role: spec_fingerprint(p.model, p.role) for p in pools_of(pd_model())}
+    recount = pd_model(pools=[{"role": "prefill", "replicas": 5, "engine_args": {"max-num-batched-tokens": 16384},
+                               "env": {"VLLM_X": "p"}}, {"role": "decode", "replicas": 1, "gpus_per_replica": 2}])
+    assert {p.role: spec_fingerprint(p.model, p.role) for p in pools_of(recount)} == before
+    retuned = pd_model(pools=[{"role": "prefill", "replicas": 2, "engine_args": {"max-num-batched-tokens": 8192},
+                               "env": {"VLLM_X": "p"}}, {"role": "decode", "replicas": 6, "gpus_per_replica": 2}])
+    after = {p.role: spec_fingerprint(p.model, p.role) for p in pools_of(retuned)}
+    assert after["decode"] == before["decode"] and after["prefill"] != before["prefill"]
+    relinked = {p.role: spec_fingerprint(p.model, p.role) for p in pools_of(pd_model(kv_transfer={"link": "nvlink"}))}
+    assert all(relinked[role] != before[role] for role in before)  # the connector is every pool's

@@ -51,3 +51,28 @@ def test_write_replicas_keeps_the_file_mode(tmp_path):
     assert "replicas: 0        # two is plenty" in path.read_text()
     assert path.stat().st_mode & 0o777 == 0o640
     assert [p.name for p in tmp_path.iterdir()] == ["fleet.yaml"]
+
+
+POOLS = """\
+models:
+  - name: q   # disaggregated
+    engine: sim
+    pools:
+      - {role: prefill}
+      - role: decode
+        replicas: 3   # three at night
+      - role: encode
+        preset: cpu-tiny
+"""
+
+
+def test_a_pools_count_is_written_in_that_pool_whatever_its_style():
+    assert set_replicas(POOLS, "q", 5, "decode") == POOLS.replace("replicas: 3   #", "replicas: 5   #")
+    assert "- {role: prefill, replicas: 2}" in set_replicas(POOLS, "q", 2, "prefill")
+    added = set_replicas(POOLS, "q", 4, "encode")
+    assert "      - role: encode\n        replicas: 4\n        preset: cpu-tiny" in added
+    assert [(p.role, p.replicas) for p in parse_config(added).models[0].pools] == [
+        ("prefill", 1), ("decode", 3), ("encode", 4)]
+    for role in (None, "both"):
+        with pytest.raises(ScaleWriteError):
+            set_replicas(POOLS, "q", 2, role)

@@ -65,7 +65,7 @@ def test_frame_shows_rates_ttft_errors_and_each_workers_load():
     metrics = ProxyMetrics(registry)
     feed = DashboardFeed(registry, metrics, lambda: {"m": 4}, clock=clock)
     _register(registry, "w-0")
-    _register(registry, "w-1")
+    _register(registry, "w-1", role="decode")
     _report(registry, "w-0", 1, 0.25)
     feed.sample()
     for _ in range(20):
@@ -88,6 +88,7 @@ def test_frame_shows_rates_ttft_errors_and_each_workers_load():
     assert (w0["engine"], w0["effective_engine"]) == ("turbomind", "pytorch")  # TurboMind fell back to PyTorch
     assert w0["host"] == "10.0.0.1:8000" and w0["gpus"] == ["0", "1"]
     assert rows["w-1"]["kv"] is None and rows["w-1"]["reason"] == "no load report yet"
+    assert (w0["role"], rows["w-1"]["role"]) == ("both", "decode")  # shown beside the engine
 
 
 def _config() -> str:

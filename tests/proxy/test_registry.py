@@ -149,3 +149,14 @@ def test_reports_resuming_after_a_silence_close_a_breaker_the_silence_opened_but
     clock.now += 0.25
     registry.record_report(wid, report(wid, 3))
     assert worker.state(clock()) is WorkerState.UNHEALTHY
+
+
+def test_workers_carry_their_role_and_an_encode_worker_never_takes_a_whole_request():
+    clock = Clock()
+    registry = Registry(clock=clock)
+    for wid, role in (("p", "prefill"), ("d", "decode"), ("e", "encode")):
+        registry.register(WorkerRegistration(worker_id=wid, url=f"http://{wid}:1", models=["m"], role=role))
+        registry.record_report(wid, report(wid, 1))
+    assert {w.worker_id: w.to_json(clock())["role"] for w in registry.workers()} == {
+        "p": "prefill", "d": "decode", "e": "encode"}
+    assert {w.worker_id for w in registry.candidates("m")} == {"p", "d"}

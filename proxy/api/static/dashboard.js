@@ -36,6 +36,10 @@ function kvBar(w) {
     `<span class="proj" style="left:calc(${proj * 100}% - 1px)"></span></span> <span class="kvtext">${pct(w.kv)}</span>`;
 }
 function engineCell(w) {
+  const role = w.role && w.role !== "both" ? ` <span class="muted" title="its role in a disaggregated model">· ${esc(w.role)}</span>` : "";
+  return engineName(w) + role;
+}
+function engineName(w) {
   if (w.effective_engine && w.engine && w.effective_engine !== w.engine && w.effective_engine !== "unknown") {
     return `${esc(w.engine)} <span class="muted" title="the engine that actually runs">→ ${esc(w.effective_engine)}</span>`;
   }
@@ -53,7 +57,7 @@ function renderModels(f) {
     <td class="num${m.errors ? " err" : ""}">${m.errors}</td>
     <td class="num${m.rejected ? " err" : ""}">${m.rejected}</td>
     <td class="num">${m.queued}</td>
-    <td class="admin-only">${f.managed ? `<input type="number" min="0" value="${ui.scale[m.name] ?? m.desired ?? m.workers}" size="3" data-scale-input="${esc(m.name)}"> <button data-scale="${esc(m.name)}">scale</button>` : '<span class="muted">needs kvroute up</span>'}</td>
+    <td class="admin-only">${f.managed && m.pooled ? '<span class="muted">per pool: kvroute scale --role</span>' : f.managed ? `<input type="number" min="0" value="${ui.scale[m.name] ?? m.desired ?? m.workers}" size="3" data-scale-input="${esc(m.name)}"> <button data-scale="${esc(m.name)}">scale</button>` : '<span class="muted">needs kvroute up</span>'}</td>
   </tr>`);
   $("models").tBodies[0].innerHTML = rows.join("") || '<tr><td colspan="10" class="muted">no models yet</td></tr>';
   const w = f.windows;
@@ -64,7 +68,7 @@ function renderModels(f) {
 function matches(w) {
   if (ui.problems && w.state === "ready") return false;
   if (!ui.filter) return true;
-  const hay = `${w.id} ${w.host} ${w.state} ${w.reason} ${w.engine} ${w.effective_engine}`.toLowerCase();
+  const hay = `${w.id} ${w.host} ${w.state} ${w.reason} ${w.engine} ${w.effective_engine} ${w.role || ""}`.toLowerCase();
   return hay.includes(ui.filter);
 }
 
