@@ -161,11 +161,12 @@ def _pct(xs: list[float], q: float) -> float:
 
 async def _one_cell(n: int, policy_name: str, decisions: int, requests: list[Any], seed: int) -> dict[str, Any]:
     from proxy.config import FleetConfig
-    from proxy.dispatch import Dispatcher, InFlight, PolicySet
+    from proxy.dispatch import Dispatcher, InFlight
     from proxy.metrics import ProxyMetrics
     from proxy.protocol import report_interval_for
     from proxy.registry import Registry
     from proxy.routing.base import PolicyDeps
+    from proxy.routing.policy_set import PolicySet
     from proxy.routing.prefix_index import PrefixIndex
     from proxy.upstream import Upstream
 

@@ -21,13 +21,14 @@ from proxy import gctuning
 from proxy.api import control, openapi, ops
 from proxy.api import openai as openai_api
 from proxy.config import FleetConfig
-from proxy.dispatch import Dispatcher, PolicySet
+from proxy.dispatch import Dispatcher
 from proxy.errors import error_response, shutting_down
 from proxy.liveconfig import ConfigChange, merge
 from proxy.metrics import ProxyMetrics
 from proxy.monitor import HealthMonitor
 from proxy.registry import Registry
 from proxy.routing.base import PolicyDeps
+from proxy.routing.policy_set import PolicySet
 from proxy.routing.prefix_index import PrefixIndex
 from proxy.security import peer
 from proxy.security.clientauth import ClientAuth, client_keys_middleware

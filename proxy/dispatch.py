@@ -27,7 +27,8 @@ from proxy.registry import Registry, Worker
 from proxy.request import RoutedRequest, parse_request
 from proxy.retry_policy import Action, Attempt, Failure, Verdict, classify
 from proxy.routing.admission import AdmissionController
-from proxy.routing.base import Decision, Policy, PolicyDeps, make_policy
+from proxy.routing.base import Decision, Policy
+from proxy.routing.policy_set import PolicySet
 from proxy.security.clientauth import ClientAuth
 from proxy.security.limits import check_request
 from proxy.upstream import ForwardResult, RetryableFailure, Upstream, upstream_headers
@@ -43,24 +44,6 @@ MAX_VIA_HOPS = 8
 # Bodies larger than this are parsed in a worker thread: validating a 32 MB prompt of token ids is
 # a second of Python that would otherwise stall every other request on the loop.
 PARSE_IN_THREAD_BYTES = 1024 * 1024
-
-
-class PolicySet:
-    """The policy for each model: the model's own from config, else the global one."""
-
-    def __init__(self, config: FleetConfig, global_policy: str, deps: PolicyDeps,
-                 reuse: PolicySet | None = None) -> None:
-        """`reuse`: a running set whose policy objects are kept where the name is unchanged (what they learnt)."""
-        self.deps = deps
-        kept = {p.name: p for p in ([reuse.default, *reuse._by_model.values()] if reuse else [])}
-        self.default = kept.get(global_policy) or make_policy(global_policy, deps)
-        self._by_model: dict[str, Policy] = {}
-        for model in config.models:
-            if model.policy and model.policy != global_policy:
-                self._by_model[model.name] = kept.get(model.policy) or make_policy(model.policy, deps)
-
-    def for_model(self, model: str) -> Policy:
-        return self._by_model.get(model, self.default)
 
 
 @dataclass(slots=True)

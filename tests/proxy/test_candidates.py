@@ -215,9 +215,10 @@ def test_a_request_longer_than_some_workers_context_goes_only_to_the_others_and_
 
 def test_the_load_order_stays_true_through_dispatcher_begin_end_and_reports_with_workers_going_stale():
     from proxy.config import FleetConfig
-    from proxy.dispatch import Dispatcher, PolicySet
+    from proxy.dispatch import Dispatcher
     from proxy.metrics import ProxyMetrics
     from proxy.protocol import STALE_AFTER_S, LoadReport
+    from proxy.routing.policy_set import PolicySet
     from proxy.upstream import Upstream
 
     rng, clock = random.Random(11), Clock()

@@ -1,0 +1,28 @@
+"""The routing policy of each model: the model's own from config, else the global one.
+
+Owns which Policy object serves which model, and keeping policies (and what they learnt) across config
+edits where the name is unchanged; not how a policy decides (one module each beside this one).
+"""
+
+from __future__ import annotations
+
+from proxy.config import FleetConfig
+from proxy.routing.base import Policy, PolicyDeps, make_policy
+
+
+class PolicySet:
+    """The policy for each model: the model's own from config, else the global one."""
+
+    def __init__(self, config: FleetConfig, global_policy: str, deps: PolicyDeps,
+                 reuse: PolicySet | None = None) -> None:
+        """`reuse`: a running set whose policy objects are kept where the name is unchanged (what they learnt)."""
+        self.deps = deps
+        kept = {p.name: p for p in ([reuse.default, *reuse._by_model.values()] if reuse else [])}
+        self.default = kept.get(global_policy) or make_policy(global_policy, deps)
+        self._by_model: dict[str, Policy] = {}
+        for model in config.models:
+            if model.policy and model.policy != global_policy:
+                self._by_model[model.name] = kept.get(model.policy) or make_policy(model.policy, deps)
+
+    def for_model(self, model: str) -> Policy:
+        return self._by_model.get(model, self.default)
