@@ -223,7 +223,7 @@ SECTIONS: tuple[tuple[str, str, tuple[Source, ...]], ...] = (
                report_cost_table),
     )),
     ("Scale and decision time", "", (
-        Source("2026-12-02-decision", "Decision time", "`Dispatcher.pick` (admission, candidates, policy) "
+        Source("2026-12-02-decision", "Decision time", "`RoutingService.pick` (admission, candidates, policy) "
                "in-process with live reports and 64 shared prompts, 5000 timed decisions per cell, one run.",
                decision_table),
         Source("2026-11-29-scale", "Prefix index and memory per stream", "`kvroute bench scale`: 1M synthetic "
@@ -323,7 +323,7 @@ def readme_block(results: Path = RESULTS_DIR) -> str:
         _quality_summary(results), "",
         "**Proxy overhead** (4 fast sim workers, the three workloads of `kvroute bench overhead`):", "",
         _overhead_summary(results), "",
-        "**Decision time** (`Dispatcher.pick` in-process, one run):", "",
+        "**Decision time** (`RoutingService.pick` in-process, one run):", "",
         _decision_summary(results), "", END])
 
 

@@ -21,14 +21,16 @@ from proxy.dataplane.exchange import STREAM, WHOLE, Exchange, Relayed, Retryable
 from proxy.dataplane.identity import VIA_HEADER, refuse_loop, request_id, via_chain
 from proxy.dataplane.pool import UpstreamPool
 from proxy.dataplane.stall import StallWatch
-from proxy.dispatch import Dispatcher
 from proxy.errors import ProxyError
+from proxy.live import LiveConfig
 from proxy.metrics import ProxyMetrics
 from proxy.observability.watch import Observer, RequestWatch
 from proxy.registry import Registry, Worker
 from proxy.request import CHAT, RoutedRequest, parse_request
 from proxy.retry_policy import Action, Attempt, Failure, Verdict, classify
 from proxy.routing.base import Decision, Policy
+from proxy.routing.service import RoutingService
+from proxy.security.clientauth import ClientAuth
 from proxy.security.limits import check_request
 
 if TYPE_CHECKING:
@@ -44,16 +46,18 @@ PARSE_IN_THREAD_BYTES = 1024 * 1024
 class Journey:
     """Serves /v1/chat/completions and /v1/completions for the data plane."""
 
-    def __init__(self, dispatcher: Dispatcher, registry: Registry, metrics: ProxyMetrics, pool: UpstreamPool,
-                 instance_id: str, observer: Observer | None = None) -> None:
-        self.dispatcher = dispatcher
+    def __init__(self, live: LiveConfig, routing: RoutingService, client_auth: ClientAuth, registry: Registry,
+                 metrics: ProxyMetrics, pool: UpstreamPool, instance_id: str, observer: Observer | None = None) -> None:
+        self.live = live
+        self.routing = routing
+        self.client_auth = client_auth
         self.registry = registry
         self.metrics = metrics
         self.pool = pool
         self.instance_id = instance_id
-        self.stalls = StallWatch(registry, lambda: dispatcher.proxy_config.timeouts)
+        self.stalls = StallWatch(registry, lambda: live.proxy.timeouts)
         # traces, access log, explained decisions (proxy/observability/watch.py)
-        self.observer = observer or Observer.from_config(dispatcher.proxy_config)
+        self.observer = observer or Observer.from_config(live.proxy)
 
     async def serve(self, client: ClientConnection, req: IncomingRequest) -> None:
         """Answer `req` on `client`, whatever happens; the client's next request waits until then."""
@@ -66,7 +70,7 @@ class Journey:
                 raise req.refusal
             # Client authentication (proxy/security/clientauth.py): the server already ran it on the head,
             # before reading the body; here is its principal.
-            principal = req.principal or self.dispatcher.client_auth.authenticate(req.header(b"authorization"))
+            principal = req.principal or self.client_auth.authenticate(req.header(b"authorization"))
             refuse_loop(req.header(VIA_HEADER), self.instance_id)
             body = req.body()
             session = req.header(b"x-session-id")
@@ -76,11 +80,11 @@ class Journey:
             else:
                 routed = parse_request(body, req.kind, session_key)
             model_label = self.metrics.model_label(routed.model)
-            served = self.dispatcher.resolve_model(routed.model)
+            served = self.routing.resolve_model(routed.model)
             model_label = served
             watch.parsed(served, routed.stream, principal, routed.prompt_tokens)
-            check_request(routed, self.dispatcher.config, served)
-            await self.dispatcher.client_auth.admit(principal, served, routed.expected_kv_tokens)
+            check_request(routed, self.live.config, served)
+            await self.client_auth.admit(principal, served, routed.expected_kv_tokens)
             answered = True
             await self._route(client, req, routed, served, rid, watch)
         except ProxyError as exc:
@@ -106,10 +110,10 @@ class Journey:
     # --- pick -> forward -> retry -----------------------------------------------------------
     async def _route(self, client: ClientConnection, req: IncomingRequest, routed: RoutedRequest, served: str,
                      rid: str, watch: RequestWatch) -> None:
-        dispatcher = self.dispatcher
+        routing = self.routing
         metrics = self.metrics
-        retries = dispatcher.proxy_config.retries
-        policy = dispatcher.policies.for_model(served)
+        retries = self.live.proxy.retries
+        policy = routing.policy_for(served)
         body = routed.body_for_model(served)
         # Everything of the upstream head but the request line, Host and the worker's own key.
         drop = _TO_WORKER_DROP | watch.replaces if watch.replaces else _TO_WORKER_DROP
@@ -127,7 +131,7 @@ class Journey:
         last_worker: Worker | None = None
         attempt = free = 0
         while attempt <= retries:
-            decision = await watch.picking(dispatcher.pick(policy, routed, served, tried, first_attempt=not tried))
+            decision = await watch.picking(routing.pick(policy, routed, served, tried, first_attempt=not tried))
             if decision is None:
                 break
             worker = decision.worker
@@ -185,17 +189,17 @@ class Journey:
                        policy: Policy, routed: RoutedRequest, endpoint: Endpoint, request: bytes, mode: int,
                        extra: bytes, tracker: migration.StreamTracker | None,
                        resumed: bool = False) -> Retryable | Relayed:
-        """One upstream attempt on `decision.worker`, wrapped in Dispatcher.begin/end (first tries, retries and
+        """One upstream attempt on `decision.worker`, wrapped in RoutingService.begin/end (first tries, retries and
         migrations alike)."""
-        dispatcher = self.dispatcher
+        routing = self.routing
         pulse = self.stalls.pulse(decision.worker)
-        exchange = Exchange(client, mode, extra, dispatcher.proxy_config.timeouts, tracker=tracker, resumed=resumed,
+        exchange = Exchange(client, mode, extra, self.live.proxy.timeouts, tracker=tracker, resumed=resumed,
                             pulse=pulse)
-        ticket = dispatcher.begin(decision, policy, routed)
+        ticket = routing.begin(decision, policy, routed)
         if routed.stream and ticket.dispatch.prefill_tokens:
-            exchange.on_output = partial(dispatcher.first_output, ticket)  # ends its part of the prefill backlog
+            exchange.on_output = partial(routing.first_output, ticket)  # ends its part of the prefill backlog
         if loadview.ADMIT_AFTER_HEAD:
-            exchange.on_head = partial(dispatcher.upstream_head, ticket)
+            exchange.on_head = partial(routing.upstream_head, ticket)
         outcome: Retryable | Relayed | None = None
         try:
             outcome = await exchange.send(self.pool, endpoint, request)
@@ -204,14 +208,14 @@ class Journey:
             raise
         finally:
             # Every path (success, worker failure, client disconnect/cancel) lands here exactly once.
-            dispatcher.end(ticket, outcome.first_byte_at if isinstance(outcome, Relayed) else None)
+            routing.end(ticket, outcome.first_byte_at if isinstance(outcome, Relayed) else None)
             watch.attempt_ended(outcome)
             self.stalls.forget_idle(pulse)
         return outcome
 
     def _tracker(self, routed: RoutedRequest) -> migration.StreamTracker | None:
         """A stream that may migrate gets its events read; any other keeps the plain byte relay."""
-        if not routed.stream or self.dispatcher.proxy_config.migrations < 1:
+        if not routed.stream or self.live.proxy.migrations < 1:
             return None
         if migration.refusal(routed.payload, routed.kind) is not None:
             return None
@@ -224,7 +228,7 @@ class Journey:
                        worker: Worker, failure: Relayed, tried: set[str], common: bytes) -> tuple[Worker, Relayed]:
         """`worker` broke `tracker`'s stream after the first byte: continue the generation on other workers
         while the limit allows; the worker that ended it and how (worker_failed: with the error event)."""
-        dispatcher = self.dispatcher
+        routing = self.routing
         metrics = self.metrics
         reason = failure.break_reason
         blamed: set[str] = set()
@@ -235,12 +239,12 @@ class Journey:
                 end_stream(client, tracker.framing, None, tail=tracker.closing())
                 return worker, Relayed(200, failure.first_byte_at, client_gone=client.closed)
             refused = tracker.blocker
-            if refused is None and tracker.migrations >= dispatcher.proxy_config.migrations:
+            if refused is None and tracker.migrations >= self.live.proxy.migrations:
                 refused = "migration limit reached"
             decision = None
             while refused is None and decision is None:
                 try:
-                    decision = await watch.picking(dispatcher.pick(policy, routed, served, tried,
+                    decision = await watch.picking(routing.pick(policy, routed, served, tried,
                                                                     first_attempt=False))
                 except ProxyError as exc:
                     refused = f"no worker took it ({exc.code})"

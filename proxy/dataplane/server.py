@@ -16,18 +16,18 @@ from collections import deque
 
 from httptools import HttpParserCallbackError, HttpParserError, HttpParserUpgrade, HttpRequestParser
 
-from proxy.config import FleetConfig
 from proxy.dataplane import http
 from proxy.dataplane.exchange import PASS, Exchange, Retryable
 from proxy.dataplane.identity import new_instance_id
 from proxy.dataplane.journey import Journey
 from proxy.dataplane.pool import Endpoint, UpstreamPool
 from proxy.dataplane.reports import answer_report, report_worker_id
-from proxy.dispatch import Dispatcher
 from proxy.errors import ProxyError, shutting_down
+from proxy.live import LiveConfig
 from proxy.metrics import ProxyMetrics
 from proxy.registry import Registry
 from proxy.request import CHAT, COMPLETIONS
+from proxy.routing.service import RoutingService
 from proxy.security.clientauth import ClientAuth
 
 log = logging.getLogger("kvroute.dataplane")
@@ -139,16 +139,16 @@ class _Refused(Exception):
 class DataPlane:
     """The public server: client connections, the upstream pool, the journey and the internal hop."""
 
-    def __init__(self, config: FleetConfig, dispatcher: Dispatcher, registry: Registry, metrics: ProxyMetrics,
+    def __init__(self, live: LiveConfig, routing: RoutingService, registry: Registry, metrics: ProxyMetrics,
                  client_auth: ClientAuth, internal_socket: str, hop_secret: str) -> None:
-        proxy_cfg = config.proxy
+        proxy_cfg = live.proxy  # limits and timeouts of the internal hop: read once (not live keys)
         self.loop = asyncio.get_running_loop()
         self.limits = proxy_cfg.limits
         self.max_body = proxy_cfg.max_body_bytes
         self.client_auth = client_auth
         self.registry = registry
         self.pool = UpstreamPool(self.loop)
-        self.journey = Journey(dispatcher, registry, metrics, self.pool, new_instance_id())
+        self.journey = Journey(live, routing, client_auth, registry, metrics, self.pool, new_instance_id())
         self.internal = Endpoint.unix(internal_socket)
         self.internal_timeouts = proxy_cfg.timeouts.model_copy(update={"idle_s": INTERNAL_IDLE_S, "total_s": None})
         self.hop_secret = hop_secret.encode()
