@@ -99,7 +99,7 @@ class RequestWatch:
         return trace.upstream_start(worker_id, url) if trace is not None else b""
 
     def attempt_ended(self, outcome: Any) -> None:
-        """An attempt is over: `outcome` is exchange.py's Relayed or Retryable, None when the client went away."""
+        """An attempt is over: `outcome` is proxy/dataplane/outcome.py's Relayed or Retryable, None when the client went away."""
         if outcome is None:
             status, first_byte_at, error = None, None, "client_closed"
             if not self.status:
