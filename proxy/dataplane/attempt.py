@@ -8,6 +8,7 @@ tries, retries and continuations alike. What an attempt's outcome means is class
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from functools import partial
 
 from proxy import loadview
@@ -34,11 +35,11 @@ class AttemptRunner:
         self.stalls = stalls
         self.metrics = metrics
 
-    async def pick(self, trip: Trip) -> Decision | None:
-        """A worker for the trip's next attempt; None when no untried one is left; ProxyError when admission
-        refuses (400, 429, 503)."""
-        return await trip.watch.picking(self.routing.pick(trip.policy, trip.routed, trip.served, trip.tried,
-                                                          first_attempt=not trip.tried))
+    def pick(self, trip: Trip) -> Awaitable[Decision | None]:
+        """Await it: a worker for the trip's next attempt; None when no untried one is left; ProxyError when
+        admission refuses (400, 429, 503)."""
+        return trip.watch.picking(self.routing.pick(trip.policy, trip.routed, trip.served, trip.tried,
+                                                    first_attempt=not trip.tried))
 
     def chosen(self, trip: Trip, decision: Decision, label: str | None = None) -> None:
         """The trip goes to `decision.worker` next: remember, count (under `label`, else the decision's

@@ -8,7 +8,9 @@ registry's load view counts what is in flight. Bytes, retries and answers are pr
 from __future__ import annotations
 
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from proxy import loadview
 from proxy.errors import model_not_found
@@ -55,10 +57,11 @@ class RoutingService:
     def policy_for(self, served: str) -> Policy:
         return self.live.policies.for_model(served)
 
-    async def pick(self, policy: Policy, routed: RoutedRequest, served: str, tried: set[str],
-                   first_attempt: bool) -> Decision | None:
-        """A decision; None when no untried worker is left; ProxyError 400/429/503 when none can take it."""
-        return await self.admission.admit(policy, routed, served, tried, first_attempt)
+    def pick(self, policy: Policy, routed: RoutedRequest, served: str, tried: set[str],
+             first_attempt: bool) -> Coroutine[Any, Any, Decision | None]:
+        """Await it: a decision; None when no untried worker is left; ProxyError 400/429/503 when none can take
+        it. (Admission's own coroutine, handed over without a frame of its own: it runs per request.)"""
+        return self.admission.admit(policy, routed, served, tried, first_attempt)
 
     def begin(self, decision: Decision, policy: Policy, routed: RoutedRequest) -> InFlight:
         """The request goes to decision.worker now: start its accounting. Pass the result to end()."""
