@@ -15,7 +15,7 @@ from httptools import HttpRequestParser
 
 from proxy.config import ProxyLimits
 from proxy.dataplane import http
-from proxy.errors import ProxyError
+from proxy.errors import ProxyError, request_too_large
 from proxy.request import CHAT, COMPLETIONS
 from proxy.security.clientauth import ClientAuth
 
@@ -110,7 +110,7 @@ class IncomingRequest:
                 raise Refused(exc, True) from None
         length = self.header(b"content-length")
         if length is not None and int(length) > max_body:
-            raise Refused(too_large(max_body), kind is None)
+            raise Refused(request_too_large(max_body), kind is None)
         expect = self.header(b"expect")
         self.expect_continue = expect is not None and expect.lower() == b"100-continue" and self.http11
         if length is None and self.header(b"transfer-encoding") is None:
@@ -131,13 +131,8 @@ class IncomingRequest:
             parts[0] += body
         self.size += len(body)
         if self.size > max_body:
-            raise Refused(too_large(max_body), self.kind is None)
+            raise Refused(request_too_large(max_body), self.kind is None)
 
 
 def wrong_method() -> ProxyError:
     return ProxyError(405, "Method Not Allowed", code="method_not_allowed", headers={"Allow": "POST"})
-
-
-def too_large(limit: int) -> ProxyError:
-    return ProxyError(413, f"The request body is larger than the proxy's limit of {limit} bytes.",
-                      "invalid_request_error", code="request_too_large")

@@ -17,7 +17,7 @@ from proxy.dataplane import http
 from proxy.dataplane.budget import BodyBudget
 from proxy.dataplane.connection import ClientConnection
 from proxy.dataplane.exchange import Exchange
-from proxy.dataplane.identity import new_instance_id
+from proxy.dataplane.identity import client_request_id, new_instance_id
 from proxy.dataplane.incoming import IncomingRequest
 from proxy.dataplane.journey import Journey
 from proxy.dataplane.outcome import PASS, Retryable
@@ -92,14 +92,15 @@ class DataPlane:
         if req.kind is not None and self.shutting_down:
             conn.keep_alive = False
             conn.write(self.shutting_down_response)
-            self.journey.observer.refused(req, 503, "shutting_down")
+            self.journey.observer.refused(req, 503, "shutting_down", client_request_id(req.header(b"x-request-id")))
             conn.response_done()
             return None
         if req.refusal is not None and req.refusal_direct:
             conn.keep_alive = False
             conn.write(http.error_response(req.refusal, {}, False))
             if req.kind is not None:  # a completion refused on its head (401, 413, 431, 408...): logged too
-                self.journey.observer.refused(req, req.refusal.status, req.refusal.code)
+                self.journey.observer.refused(req, req.refusal.status, req.refusal.code,
+                                              client_request_id(req.header(b"x-request-id")))
             conn.response_done()
             return None
         if req.kind is None and (worker_id := report_worker_id(req.method, req.url)) is not None:

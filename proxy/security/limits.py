@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 
 from proxy.config import FleetConfig, ProxyLimits, RequestLimits
-from proxy.errors import ProxyError, error_response
+from proxy.errors import ProxyError, error_response, request_too_large
 from proxy.request import RoutedRequest, image_size_from_data_url
 
 log = logging.getLogger("kvroute.limits")
@@ -190,8 +190,7 @@ def limits_middleware(config: FleetConfig, registry: Any, authenticate: Callable
                                                f"{limits.body_read_timeout_s:g}s.", code="body_timeout",
                                           headers={"Connection": "close"})
                 except web.HTTPRequestEntityTooLarge:
-                    return error_response(413, f"The request body is larger than the proxy's limit of {max_body} "
-                                               f"bytes.", code="request_too_large")
+                    return request_too_large(max_body).response()
                 if request.method == "POST" and request.path in _WORKER_REGISTRATION_PATHS:
                     _check_worker_cap(registry, limits.max_workers, body)
                 return await handler(request)
