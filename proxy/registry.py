@@ -55,7 +55,7 @@ class CircuitBreaker:
         return self._state
 
     def is_open(self, now: float) -> bool:
-        return self.state(now) is BreakerState.OPEN
+        return self._state is BreakerState.OPEN and now < self.open_until  # state(now) is OPEN
 
     def record_success(self) -> None:
         self._state = BreakerState.CLOSED

@@ -227,7 +227,8 @@ class Exchange:
         if self.complete:
             self._finish()
         elif self.out or self.relay.held_head:  # a head alone goes out too: an event stream may be quiet a while
-            self._flush()
+            self.relay.flush(self.out)
+            self.out = []
             tracker = self.tracker
             if tracker is not None and tracker.broken is not None and self.state == _RELAY:
                 self._fail(False, tracker.broken)
