@@ -15,7 +15,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "overhead": ("bench.overhead", "router overhead vs direct calls on 4 fast sim workers (kvroute + peers)"),
     "quality": ("bench.quality", "routing quality matrix (issue 9): 6 workload families, closed loop and 50-110 percent load, kvroute vs peers vs an oracle"),
     "scale": ("bench.scale", "routing decision time at 10/100/1000 workers, prefix-index and per-stream memory"),
-    "decision": ("bench.decision", "Dispatcher.pick's time (admission, candidates, kv_aware/kv_cost) at 10/100/1000 "
+    "decision": ("bench.decision", "RoutingService.pick's time (admission, candidates, kv_aware/kv_cost) at 10/100/1000 "
                                    "workers with live reports and shared prefixes, p50/p99"),
     "chaos": ("bench.chaos", "issue 12's chaos run: SIGKILLs with restarts, SIGSTOP stalls, a 5xx worker and "
                              "(--state redis) a Redis restart under load; failures by kind, in-flight, fds, RSS"),

@@ -1,4 +1,4 @@
-"""Decision benchmark: what one routing decision costs the data plane (Dispatcher.pick) at 10/100/1000 workers.
+"""Decision benchmark: what one routing decision costs the data plane (RoutingService.pick) at 10/100/1000 workers.
 
 Owns the measurement only: a real Registry, PolicySet, AdmissionController and PrefixIndex built as
 proxy/app.py builds them (no sockets, no engines), fed the way a running proxy is fed.
@@ -7,11 +7,11 @@ Per fleet size and policy, on a simulated clock (DECISIONS_PER_S decisions per s
 - every worker sends a load report every protocol.report_interval_for(workers) seconds
   (registry.record_report, as the control plane calls it): KV usage drifting around a per-worker level in 5..90%, running 0..64, and about a
   fifth of the workers queueing (num_waiting 1..8);
-- each decision is `await Dispatcher.pick(...)` for a parsed chat request whose system prompt is one of
+- each decision is `await RoutingService.pick(...)` for a parsed chat request whose system prompt is one of
   PROMPTS shared ones (Zipf-skewed, 200..2000 words, so the prefix index has hits) plus a unique
-  question; the pick is followed by Dispatcher.begin (prefix index insert, load accounting), its first
-  output (Dispatcher.first_output) FIRST_OUTPUT_AFTER_S later, and the oldest attempt is ended with
-  Dispatcher.end once IN_FLIGHT_PER_WORKER x workers are in flight;
+  question; the pick is followed by RoutingService.begin (prefix index insert, load accounting), its first
+  output (RoutingService.first_output) FIRST_OUTPUT_AFTER_S later, and the oldest attempt is ended with
+  RoutingService.end once IN_FLIGHT_PER_WORKER x workers are in flight;
 - RETRY_SHARE of the decisions are also retried (tried = the first pick's worker, first_attempt False).
 
 Timed around the awaited pick only: every other decision by wall clock (perf_counter_ns), the others
@@ -161,13 +161,13 @@ def _pct(xs: list[float], q: float) -> float:
 
 async def _one_cell(n: int, policy_name: str, decisions: int, requests: list[Any], seed: int) -> dict[str, Any]:
     from proxy.config import FleetConfig
-    from proxy.dispatch import Dispatcher, InFlight, PolicySet
-    from proxy.metrics import ProxyMetrics
+    from proxy.live import LiveConfig
     from proxy.protocol import report_interval_for
     from proxy.registry import Registry
     from proxy.routing.base import PolicyDeps
+    from proxy.routing.policy_set import PolicySet
     from proxy.routing.prefix_index import PrefixIndex
-    from proxy.upstream import Upstream
+    from proxy.routing.service import InFlight, RoutingService
 
     rng = random.Random(seed)
     clock = SimClock()
@@ -175,7 +175,7 @@ async def _one_cell(n: int, policy_name: str, decisions: int, requests: list[Any
     registry = Registry(clock=clock)
     deps = PolicyDeps(prefix_index=PrefixIndex(), rng=random.Random(seed))
     policies = PolicySet(config, policy_name, deps)
-    dispatcher = Dispatcher(config, registry, Upstream(config.proxy.timeouts), policies, ProxyMetrics(registry))
+    dispatcher = RoutingService(LiveConfig(config, policies), registry)
     policy = policies.for_model("m")
     fleet = _Fleet(registry, n, rng)
     fleet.reports_due(n)  # everyone has a reading
@@ -270,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
     load = os.getloadavg()[0]
     out = [f"# Decision time\n\n{environment_note()}; run took {time.time() - t_start:.0f} s; load average "
            f"{load:.1f} at the end (a busy box inflates p99 most).\n",
-           "`Dispatcher.pick` as the data plane awaits it (admission, candidate filtering, policy), in-process, "
+           "`RoutingService.pick` as the data plane awaits it (admission, candidate filtering, policy), in-process, "
            f"{args.decisions} timed decisions per cell (half by wall clock, half by CPU time) after {WARMUP} warm-up ones; reports at "
            f"the interval the proxy asks of each fleet size (protocol.report_interval_for) at {DECISIONS_PER_S:g} decisions/s "
            f"(simulated clock), first output {FIRST_OUTPUT_AFTER_S * 1000:g} ms after each dispatch, "

@@ -124,6 +124,28 @@ def overhead_table(rows: list[dict[str, Any]]) -> str:
     return md_table(["workload", "route", "CPU us/req", f"CPU / {REFERENCE_ROUTE}", "req/s", "added p99 ms"], table)
 
 
+def tree_table(rows: list[dict[str, Any]]) -> str:
+    """An overhead run of two source trees (a route's `@tree=` knob): each route's CPU us/req, req/s and added p99,
+    and the CPU of the tree under test over the other tree's in the same repeat."""
+    from bench.overhead import _span
+
+    table, prev = [], None
+    for (wl, route), c in _overhead_cells(rows).items():
+        ratios: list[float | None] = []
+        if "@tree=" not in route:
+            for r in rows:
+                if r["workload"] != wl or r["route"] != route:
+                    continue
+                other = next((x for x in rows if x["workload"] == wl and x.get("repeat", 0) == r.get("repeat", 0)
+                              and "@tree=" in x["route"]), None)
+                if other is not None and other["cpu_us_per_req"] and r["cpu_us_per_req"]:
+                    ratios.append(r["cpu_us_per_req"] / other["cpu_us_per_req"])
+        table.append([wl if wl != prev else "", route, _span(c["cpu"]), _span(ratios, digits=2), _span(c["rps"]),
+                      _span(c["p99"], 1000, 1, True)])
+        prev = wl
+    return md_table(["workload", "route", "CPU us/req", "CPU / the other tree's", "req/s", "added p99 ms"], table)
+
+
 # ---- decision time, report cost, scale, chaos ------------------------------------------------------
 def decision_table(data: dict[str, Any]) -> str:
     return md_table(["policy", "workers", "pick p50 us", "pick p99 us", "retry p99 us", "begin+end p50 us"],
@@ -215,6 +237,10 @@ SECTIONS: tuple[tuple[str, str, tuple[Source, ...]], ...] = (
      "the order reversed every other repeat; median (min..max) over the repeats. CPU is the router's process "
      "tree per request; added p99 is against clients calling the workers directly in the same repeat.", (
         Source("2026-12-02-overhead-gc-default", "kvroute against every peer", "", overhead_table),
+        Source("2026-12-03-overhead-one-data-plane", "One data plane, against the code before it",
+               "The aiohttp /v1 path retired and the data plane's journey split into stages (issue 31): this tree "
+               "(`kvroute:kv_aware`) and the commit before the change (5c9f451, a worktree at `/tmp/before`: "
+               "`kvroute:kv_aware@tree=/tmp/before`) on one fleet in one run, no peers.", tree_table),
         Source("2026-12-01-overhead-bare-relay", "The floor of a Python relay",
                "`bare-relay:round_robin` (bench/bare_relay.py) forwards bytes over pooled connections and "
                "nothing else: no routing, timeouts, retries, limits or metrics.", overhead_table),
@@ -223,7 +249,7 @@ SECTIONS: tuple[tuple[str, str, tuple[Source, ...]], ...] = (
                report_cost_table),
     )),
     ("Scale and decision time", "", (
-        Source("2026-12-02-decision", "Decision time", "`Dispatcher.pick` (admission, candidates, policy) "
+        Source("2026-12-02-decision", "Decision time", "`RoutingService.pick` (admission, candidates, policy) "
                "in-process with live reports and 64 shared prompts, 5000 timed decisions per cell, one run.",
                decision_table),
         Source("2026-11-29-scale", "Prefix index and memory per stream", "`kvroute bench scale`: 1M synthetic "
@@ -324,7 +350,7 @@ def readme_block(results: Path = RESULTS_DIR) -> str:
         _quality_summary(results), "",
         "**Proxy overhead** (4 fast sim workers, the three workloads of `kvroute bench overhead`):", "",
         _overhead_summary(results), "",
-        "**Decision time** (`Dispatcher.pick` in-process, one run):", "",
+        "**Decision time** (`RoutingService.pick` in-process, one run):", "",
         _decision_summary(results), "", END])
 
 

@@ -20,8 +20,6 @@ from bench.loadgen import LoadGenerator, RequestSpec, chat_body, summarize
 from bench.report import cdf, environment_note, fmt, md_table, ms, results_path, write_json
 
 KVROUTE_POLICIES = ("kv_cost", "kv_aware", "prefix", "least_requests", "round_robin")
-# `kvroute-aiohttp:POLICY`: kvroute on its previous all-aiohttp data plane (`--data-plane aiohttp`), for comparison
-OLD_PATH = "kvroute-aiohttp"
 # kvroute with client API keys on (KVROUTE_API_KEYS); every route, peers and direct included, is sent the
 # same Authorization header, so the only difference is the proxy checking it.
 KEYS_PATH = "kvroute-keys"
@@ -112,7 +110,7 @@ def run_cell(fleet: Fleet, kind: str, policy: str, w: Workload, model: str, warm
 
 
 def _start(kind: str, policy: str, fleet: Fleet):
-    variants = {OLD_PATH: ("KVROUTE_DATA_PLANE", "aiohttp"), KEYS_PATH: ("KVROUTE_API_KEYS", BENCH_API_KEY)}
+    variants = {KEYS_PATH: ("KVROUTE_API_KEYS", BENCH_API_KEY)}
     if kind not in variants:
         return start_router(kind, policy, fleet)
     name, value = variants[kind]
@@ -226,8 +224,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=200, help="unmeasured requests before each cell")
     p.add_argument("--policies", default=",".join(KVROUTE_POLICIES), help="kvroute policies, comma-separated")
     p.add_argument("--no-peers", action="store_true", help="kvroute and direct only")
-    p.add_argument("--old-path", default="",
-                   help="kvroute policies to run also on the previous aiohttp data plane, comma-separated")
     p.add_argument("--with-keys", default="",
                    help="kvroute policies to run also with client API keys on, comma-separated")
     p.add_argument("--bare-relay", action="store_true",
@@ -243,7 +239,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     routes: list[tuple[str, str]] = [("direct", "")]
     routes += [("kvroute", p) for p in args.policies.split(",") if p]
-    routes += [(OLD_PATH, p) for p in args.old_path.split(",") if p]
     routes += [(KEYS_PATH, p) for p in args.with_keys.split(",") if p]
     if args.bare_relay:
         routes.append((BARE_RELAY, "round_robin"))

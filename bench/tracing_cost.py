@@ -104,7 +104,7 @@ def micro(n: int) -> None:
 
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-    from proxy.dataplane.exchange import Relayed
+    from proxy.dataplane.outcome import Relayed
     from proxy.observability.accesslog import AccessLog
     from proxy.observability.decision import DebugGate
     from proxy.observability.otlp import encode_request

@@ -1,8 +1,9 @@
-"""Build the proxy's aiohttp application, and serve it.
+"""Build the proxy's aiohttp application, and serve it behind the data plane.
 
-Owns wiring: which objects exist per app (registry, upstream session, policies, metrics,
-monitor), the routes, startup/cleanup; `serve` runs an app on a host/port in the current
-event loop. The fleet launcher adds its own /fleet routes before starting the app.
+Owns wiring: which objects exist per app (registry, live config, routing service, probe session,
+metrics, monitor), the control-plane routes, startup/cleanup; `serve` runs the data plane on a
+host/port in the current event loop with the app behind it. The fleet launcher adds its own /fleet
+routes before starting the app.
 """
 
 from __future__ import annotations
@@ -21,17 +22,19 @@ from proxy import gctuning
 from proxy.api import control, openapi, ops
 from proxy.api import openai as openai_api
 from proxy.config import FleetConfig
-from proxy.dispatch import Dispatcher, PolicySet
 from proxy.errors import error_response, shutting_down
+from proxy.live import LiveConfig
 from proxy.liveconfig import ConfigChange, merge
 from proxy.metrics import ProxyMetrics
 from proxy.monitor import HealthMonitor
 from proxy.registry import Registry
 from proxy.routing.base import PolicyDeps
+from proxy.routing.policy_set import PolicySet
 from proxy.routing.prefix_index import PrefixIndex
+from proxy.routing.service import RoutingService
 from proxy.security import peer
 from proxy.security.clientauth import ClientAuth, client_keys_middleware
-from proxy.security.limits import LimitedTCPSite, limits_middleware, parser_limits
+from proxy.security.limits import limits_middleware, parser_limits
 from proxy.state import RedisState
 from proxy.upstream import Upstream
 
@@ -39,7 +42,9 @@ log = logging.getLogger("kvroute.proxy")
 
 REGISTRY_KEY = web.AppKey("kvroute_registry", Registry)
 CONFIG_KEY = web.AppKey("kvroute_config", FleetConfig)
-DISPATCHER_KEY = web.AppKey("kvroute_dispatcher", Dispatcher)
+LIVE_KEY = web.AppKey("kvroute_live", LiveConfig)
+ROUTING_KEY = web.AppKey("kvroute_routing", RoutingService)
+CLIENT_AUTH_KEY = web.AppKey("kvroute_client_auth", ClientAuth)
 UPSTREAM_KEY = web.AppKey("kvroute_upstream", Upstream)
 MONITOR_KEY = web.AppKey("kvroute_monitor", HealthMonitor)
 METRICS_KEY = web.AppKey("kvroute_metrics", ProxyMetrics)
@@ -55,9 +60,9 @@ class Lifecycle:
     """Stopping gracefully: new /v1 requests get 503 `shutting_down` at once, the ones in flight finish
     (bounded by drain_grace_s); and the policy named on the command line, which config edits do not change."""
 
-    def __init__(self, registry: Registry, dispatcher: Dispatcher, policy_override: str | None) -> None:
+    def __init__(self, registry: Registry, routing: RoutingService, policy_override: str | None) -> None:
         self.registry = registry
-        self.dispatcher = dispatcher
+        self.routing = routing
         self.policy_override = policy_override
         self.shutting_down = False
         self.on_shutdown: list[Callable[[], None]] = []  # the data plane's own gate
@@ -72,7 +77,7 @@ class Lifecycle:
     def in_flight(self) -> int:
         """Requests sent to a worker or waiting in an admission queue."""
         return (sum(w.load.in_flight for w in self.registry.workers())
-                + sum(self.dispatcher.queue_lengths().values()))
+                + sum(self.routing.queue_lengths().values()))
 
     async def drain(self, grace_s: float) -> bool:
         """begin_shutdown(), then wait until nothing is in flight; False when grace_s ran out first."""
@@ -97,30 +102,32 @@ def build_app(config: FleetConfig, *, policy: str | None = None) -> web.Applicat
     proxy_cfg = config.proxy
     registry = Registry()
     deps = PolicyDeps(prefix_index=PrefixIndex())
-    policies = PolicySet(config, policy or proxy_cfg.policy, deps)
+    live = LiveConfig(config, PolicySet(config, policy or proxy_cfg.policy, deps))
+    routing = RoutingService(live, registry)
     upstream = Upstream(proxy_cfg.timeouts)
     metrics = ProxyMetrics(registry)
     monitor = HealthMonitor(registry, upstream)
     client_auth = ClientAuth.from_config(config)  # raises ValueError for an unreadable key file
-    dispatcher = Dispatcher(config, registry, upstream, policies, metrics, client_auth=client_auth)
 
-    # aiohttp refuses bodies over client_max_size while reading; dispatch turns that into a 413.
+    # aiohttp refuses bodies over client_max_size while reading (the data plane already did, in front).
     app = web.Application(client_max_size=proxy_cfg.max_body_bytes,
                           middlewares=[openai_errors, shutdown_gate, client_keys_middleware(client_auth),
                                        limits_middleware(config, registry), control.auth_middleware(proxy_cfg)])
     app[REGISTRY_KEY] = registry
     app[CONFIG_KEY] = config
-    app[DISPATCHER_KEY] = dispatcher
+    app[LIVE_KEY] = live
+    app[ROUTING_KEY] = routing
+    app[CLIENT_AUTH_KEY] = client_auth
     app[UPSTREAM_KEY] = upstream
     app[MONITOR_KEY] = monitor
     app[METRICS_KEY] = metrics
-    app[LIFECYCLE_KEY] = Lifecycle(registry, dispatcher, policy)
+    app[LIFECYCLE_KEY] = Lifecycle(registry, routing, policy)
     if config.state.url != "memory":
         app[STATE_KEY] = RedisState(registry, config.state.url)
 
-    openai_api.add_routes(app, dispatcher, registry, config)
-    control.add_routes(app, registry, monitor, dispatcher.queue_lengths)
-    ops.add_routes(app, registry, metrics, dispatcher.queue_lengths)
+    openai_api.add_routes(app, registry, live)
+    control.add_routes(app, registry, monitor, routing.queue_lengths)
+    ops.add_routes(app, registry, metrics, routing.queue_lengths)
     openapi.add_routes(app)
     app.cleanup_ctx.append(_lifecycle)
     return app
@@ -145,9 +152,8 @@ async def openai_errors(request: web.Request, handler: control.Handler) -> web.S
 
 @web.middleware
 async def shutdown_gate(request: web.Request, handler: control.Handler) -> web.StreamResponse:
-    """While stopping: new completions get 503 `shutting_down`, and /ready says so (load balancers look)."""
-    if request.app[LIFECYCLE_KEY].shutting_down and (request.path.startswith("/v1/") and request.method == "POST"
-                                                     or request.path == "/ready"):
+    """While stopping, /ready says so (load balancers look); the data plane refuses new completions itself."""
+    if request.app[LIFECYCLE_KEY].shutting_down and request.path == "/ready":
         return shutting_down().response()
     return await handler(request)
 
@@ -156,15 +162,13 @@ def apply_config(app: web.Application, config: FleetConfig) -> ConfigChange:
     """A new config while running (`kvroute up`'s file edits and `kvroute apply`): models, aliases,
     per-model policies and the live proxy keys (liveconfig.LIVE_PROXY_KEYS) hold from the next request;
     the other proxy keys keep their running values and are listed in the result."""
-    dispatcher = app[DISPATCHER_KEY]
-    change = merge(dispatcher.config, config)
+    live = app[LIVE_KEY]
+    change = merge(live.config, config)
     new = change.config
     lifecycle = app[LIFECYCLE_KEY]
-    policies = PolicySet(new, lifecycle.policy_override or new.proxy.policy, dispatcher.policies.deps,
-                         reuse=dispatcher.policies)  # ValueError for an unknown name: nothing changed yet
-    dispatcher.config, dispatcher.proxy_config, dispatcher.policies = new, new.proxy, policies
-    dispatcher.admission.configure(new.proxy)
-    app[UPSTREAM_KEY].timeouts = new.proxy.timeouts
+    policies = PolicySet(new, lifecycle.policy_override or new.proxy.policy, live.policies.deps,
+                         reuse=live.policies)  # ValueError for an unknown name: nothing changed yet
+    live.update(new, policies)
     if "proxy.log_level" in change.live:
         logging.getLogger().setLevel(new.proxy.log_level.upper())
     return change
@@ -184,59 +188,35 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     if state is not None:
         await state.stop()
     await upstream.close()
-    await app[DISPATCHER_KEY].client_auth.close()
+    await app[CLIENT_AUTH_KEY].close()
 
 
-async def serve(app: web.Application, host: str, port: int, data_plane: str | None = None) -> None:
-    """Run `app` on host:port until cancelled; then close it cleanly. Prints the bound URL.
-
-    data_plane "fast" (the default; KVROUTE_DATA_PLANE=aiohttp or --data-plane aiohttp for the old path):
-    /v1 completions on proxy/dataplane/, every other route on `app` behind it on an internal unix socket.
-    """
-    data_plane = data_plane or os.environ.get("KVROUTE_DATA_PLANE", "fast")
-    gctuning.tune_for_serving()
-    if data_plane == "aiohttp":
-        await _serve_aiohttp(app, host, port)
-        return
+async def serve(app: web.Application, host: str, port: int) -> None:
+    """Run the data plane on host:port, with `app` behind it on an internal unix socket, until cancelled; then
+    close both cleanly. Prints the bound URL. /v1 completions are the data plane's (proxy/dataplane/); every
+    other route is handed to `app`."""
     from proxy.dataplane.server import DataPlane
 
+    gctuning.tune_for_serving()
     config = app[CONFIG_KEY]
     hop_secret = peer.install(app)  # before start-up: a started app is frozen
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=HANDLER_SHUTDOWN_S, **parser_limits(config))
     await runner.setup()
     sockdir = tempfile.mkdtemp(prefix="kvroute-")  # mode 0700: only this user reaches the control socket
     plane: DataPlane | None = None
+    lifecycle = app[LIFECYCLE_KEY]
     try:
         path = os.path.join(sockdir, "control.sock")
         await web.UnixSite(runner, path).start()
-        dispatcher = app[DISPATCHER_KEY]
-        plane = DataPlane(config, dispatcher, app[REGISTRY_KEY], app[METRICS_KEY], dispatcher.client_auth, path,
-                          hop_secret)
-        app[LIFECYCLE_KEY].on_shutdown.append(plane.begin_shutdown)
+        plane = DataPlane(app[LIVE_KEY], app[ROUTING_KEY], app[REGISTRY_KEY], app[METRICS_KEY],
+                          app[CLIENT_AUTH_KEY], path, hop_secret)
+        lifecycle.on_shutdown.append(plane.begin_shutdown)
         bound = await plane.start(host, port)
         print(f"kvroute proxy listening on http://{host}:{bound}", flush=True)
         await asyncio.Event().wait()
     finally:
-        await app[LIFECYCLE_KEY].drain(app[DISPATCHER_KEY].proxy_config.drain_grace_s)  # a 2nd cancel: at once
+        await lifecycle.drain(app[LIVE_KEY].proxy.drain_grace_s)  # a 2nd cancel: at once
         if plane is not None:
             await plane.close()
         await runner.cleanup()
         shutil.rmtree(sockdir, ignore_errors=True)
-
-
-async def _serve_aiohttp(app: web.Application, host: str, port: int) -> None:
-    """The previous data plane: everything on aiohttp."""
-    # handler_cancellation: a client that disconnects cancels its handler, and with it the
-    # upstream request (the worker sees the connection close and stops generating).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=HANDLER_SHUTDOWN_S,
-                           **parser_limits(app[CONFIG_KEY]))
-    await runner.setup()
-    try:
-        site = LimitedTCPSite(runner, host, port, app[CONFIG_KEY].proxy.limits, backlog=1024, reuse_address=True)
-        await site.start()
-        bound = runner.addresses[0]
-        print(f"kvroute proxy listening on http://{host}:{bound[1]}", flush=True)
-        await asyncio.Event().wait()
-    finally:
-        await app[LIFECYCLE_KEY].drain(app[DISPATCHER_KEY].proxy_config.drain_grace_s)
-        await runner.cleanup()

@@ -22,8 +22,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="client API keys for /v1/* (one per line, or a YAML list); replaces proxy.api_keys")
-    p.add_argument("--data-plane", default=None, choices=["fast", "aiohttp"],
-                   help="fast (default): uvloop + httptools for /v1 completions; aiohttp: the previous path")
     p.add_argument("--insecure-open-control-plane", action="store_true",
                    help="serve /workers, /nodes and /fleet to anyone off loopback without an admin token (unsafe)")
 
@@ -75,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         uvloop = None
     runner = uvloop.run if uvloop is not None else asyncio.run
     try:
-        runner(_main(config, args.policy, getattr(args, "data_plane", None)))
+        runner(_main(config, args.policy))
     except ValueError as exc:
         print(f"kvroute proxy: {exc}", file=sys.stderr)
         return 2
@@ -94,7 +92,7 @@ def _apply_security_flags(config, args: argparse.Namespace) -> None:
         config.proxy.worker_token = token_or_none(os.environ.get(WORKER_TOKEN_ENV))
 
 
-async def _main(config, policy: str | None, data_plane: str | None = None) -> None:
+async def _main(config, policy: str | None) -> None:
     from proxy.app import build_app, serve
 
     app = build_app(config, policy=policy)
@@ -104,6 +102,6 @@ async def _main(config, policy: str | None, data_plane: str | None = None) -> No
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)
     try:
-        await serve(app, config.proxy.host, config.proxy.port, data_plane)
+        await serve(app, config.proxy.host, config.proxy.port)
     except asyncio.CancelledError:
         logging.getLogger("kvroute.proxy").info("shutting down")

@@ -53,6 +53,11 @@ def model_not_found(model: str) -> ProxyError:
                       code="model_not_found", param="model")
 
 
+def request_too_large(limit: int) -> ProxyError:
+    return ProxyError(413, f"The request body is larger than the proxy's limit of {limit} bytes.",
+                      "invalid_request_error", code="request_too_large")
+
+
 def no_healthy_worker(model: str) -> ProxyError:
     return ProxyError(503, f"No healthy worker is serving model `{model}` right now.", "service_unavailable",
                       code="no_healthy_worker", headers={"Retry-After": "1"})

@@ -1,7 +1,7 @@
 """What to do after one failed upstream attempt: retry elsewhere, answer the client, and blame the worker or not.
 
 Pure: a table from (status, body, exception kind, accepted, attempts, statuses seen) to a Verdict; no I/O,
-no registry. The forwarding path (aiohttp today, proxy/dataplane/ next) asks it and carries the verdict out.
+no registry. The data plane asks it (proxy/dataplane/classify.py) and carries the verdict out.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""The OpenAI surface: /v1/chat/completions, /v1/completions and /v1/models.
+"""The OpenAI surface the control-plane app serves: GET /v1/models.
 
-Owns the routes only; dispatch.py serves each request, the registry and config say which
-models exist.
+Owns that route and the model list; /v1 completions are the data plane's alone (proxy/dataplane/), and
+any other spelling of their path that reaches this app is an unknown route (404). The registry and the
+live config say which models exist.
 """
 
 from __future__ import annotations
@@ -12,26 +13,17 @@ import orjson
 from aiohttp import web
 
 from proxy.config import FleetConfig
-from proxy.dispatch import Dispatcher
+from proxy.live import LiveConfig
 from proxy.registry import Registry
-from proxy.request import CHAT, COMPLETIONS
 
 CREATED = int(time.time())
 
 
-def add_routes(app: web.Application, dispatcher: Dispatcher, registry: Registry, config: FleetConfig) -> None:
-    async def chat_completions(request: web.Request) -> web.StreamResponse:
-        return await dispatcher.handle(request, CHAT)
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        return await dispatcher.handle(request, COMPLETIONS)
-
+def add_routes(app: web.Application, registry: Registry, live: LiveConfig) -> None:
     async def models(request: web.Request) -> web.Response:
-        return web.Response(body=orjson.dumps({"object": "list", "data": list_models(registry, dispatcher.config)}),
+        return web.Response(body=orjson.dumps({"object": "list", "data": list_models(registry, live.config)}),
                             content_type="application/json")
 
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
 
 

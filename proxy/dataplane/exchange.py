@@ -1,10 +1,11 @@
 """One request sent over one upstream connection, and its response relayed to one client.
 
-Owns the response's life: head, retryable failures before the first byte, unbuffered relay with
-back-pressure (pause_reading while the client's buffer is full), the SSE error event after the
-first byte, and connect / first-byte / idle / stalled-reader deadlines on one lazily re-armed timer.
-A migratable stream's events pass through a StreamTracker (migration.py): a break then hands the open
-client stream back to the journey, and a continuation's exchange relays into it without a head.
+Owns the response's life on the worker's side: its head, retryable failures before the first byte, unbuffered
+relay with back-pressure (pause_reading while the client's buffer is full), a break after the first byte, and
+connect / first-byte / idle / stalled-reader deadlines on one lazily re-armed timer. What the client gets and
+how it is framed is relay.py's. A migratable stream's events pass through a StreamTracker (migration.py): a
+break then hands the open client stream back to the journey, and a continuation's exchange relays into it
+without a head.
 """
 
 from __future__ import annotations
@@ -13,22 +14,17 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
 
-import orjson
 from httptools import HttpParserError, HttpResponseParser
 
 from proxy.config import Timeouts
 from proxy.dataplane import http
 from proxy.dataplane.migration import StreamTracker
+from proxy.dataplane.outcome import PASS, STREAM, WHOLE, Relayed, Retryable
 from proxy.dataplane.pool import Endpoint, UpstreamConnection, UpstreamPool
-from proxy.errors import error_body
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from proxy.dataplane.stall import Pulse
+from proxy.dataplane.relay import CHUNKED, CLOSE, Client, Relay
+from proxy.dataplane.stall import Pulse
 
 log = logging.getLogger("kvroute.dataplane")
 
@@ -36,51 +32,9 @@ log = logging.getLogger("kvroute.dataplane")
 # off is then retried elsewhere); larger ones are relayed as they come.
 BUFFER_LIMIT = 1024 * 1024
 
-# How the response is handled: a worker's stream, a worker's whole answer, the internal app's answer.
-STREAM, WHOLE, PASS = 0, 1, 2
 # Where the exchange stands.
 _HEAD, _ERROR_BODY, _BUFFER, _FIRST, _RELAY, _DONE = range(6)
-# How the client's body is framed once the head is sent.
-_NO_BODY, _LENGTH, _CHUNKED, _CLOSE = range(4)
 
-
-class Client(Protocol):
-    """What an exchange needs of the client connection (server.py's ClientConnection)."""
-
-    transport: asyncio.Transport
-    loop: asyncio.AbstractEventLoop
-    http11: bool
-    keep_alive: bool
-    closed: bool
-    write_blocked_since: float | None
-    exchange: Exchange | None
-
-
-@dataclass(slots=True)
-class Retryable:
-    """Nothing reached the client yet, so another worker may serve the request."""
-
-    reason: str                 # connect_error | first_byte_timeout | status_5xx | status_429 | broken_body | ...
-    detail: str
-    status: int | None = None   # the worker's HTTP status, when it answered
-    body: bytes | None = None
-    content_type: str | None = None
-    retry_after: str | None = None
-
-
-@dataclass(slots=True)
-class Relayed:
-    """The client got an answer (or left): how it ended, for metrics and the circuit breaker."""
-
-    status: int
-    first_byte_at: float | None   # time.monotonic() of the first byte sent to the client
-    worker_failed: bool = False   # the worker broke the response after the first byte
-    client_gone: bool = False
-    resumable: bool = False       # worker_failed, and the client's stream is still open for a continuation
-    break_reason: str = ""        # worker_failed: connection_lost | idle_timeout | stalled | broken_stream
-
-
-_NONE: frozenset[bytes] = frozenset()
 _STALE = Retryable("stale", "a pooled connection was closed by the worker")
 
 
@@ -88,9 +42,9 @@ class Exchange:
     """Send one request and relay its response; `await send(...)` returns how it ended."""
 
     __slots__ = ("client", "mode", "extra", "timeouts", "loop", "future", "conn", "parser", "state", "status",
-                 "headers", "parts", "size", "out", "complete", "interim", "sse", "framing", "first_byte_at",
-                 "last_activity", "first_byte_deadline", "timer", "got_head", "paused", "ends_clean",
-                 "head_request", "close_delimited", "total_deadline", "keep_alive", "index", "held_head",
+                 "headers", "parts", "size", "out", "complete", "interim", "sse", "relay", "first_byte_at",
+                 "last_activity", "first_byte_deadline", "timer", "got_head", "paused",
+                 "head_request", "close_delimited", "total_deadline", "keep_alive", "index",
                  "tracker", "resumed", "pulse", "stall_detail", "streaming", "timer_at", "on_output",
                  "events_seen", "on_head")
 
@@ -128,18 +82,16 @@ class Exchange:
         self.index: dict[bytes, bytes] = {}
         self.parts: list[bytes] = []
         self.size = 0
-        self.out: list[bytes] = []
-        self.held_head = b""
+        self.out: list[bytes] = []  # body bytes for the client, not yet written
+        self.relay = Relay(self.client, self.mode, self.extra, self.head_request, self.tracker, self.resumed)
         self.complete = False
         self.keep_alive = False
         self.interim = False
         self.sse = False
-        self.framing = _NO_BODY
         self.first_byte_at: float | None = None
         self.last_activity = 0.0
         self.got_head = False
         self.paused = False
-        self.ends_clean = True
         self.close_delimited = False
 
     # --- the awaitable side ------------------------------------------------------------------
@@ -274,8 +226,9 @@ class Exchange:
             return
         if self.complete:
             self._finish()
-        elif self.out or self.held_head:  # a head alone goes out too: an event stream may be quiet a while
-            self._flush()
+        elif self.out or self.relay.held_head:  # a head alone goes out too: an event stream may be quiet a while
+            self.relay.flush(self.out)
+            self.out = []
             tracker = self.tracker
             if tracker is not None and tracker.broken is not None and self.state == _RELAY:
                 self._fail(False, tracker.broken)
@@ -379,83 +332,23 @@ class Exchange:
             callback()  # type: ignore[misc]
 
     # --- committing to the client and relaying -------------------------------------------------
-    def _head(self, framing: int, length: int = 0) -> bytes:
-        drop = http.connection_named(self.headers) if b"connection" in self.index else _NONE
-        if self.mode != PASS:
-            drop = drop | http.FROM_WORKER_REPLACED if drop else http.FROM_WORKER_REPLACED
-        lines = http.filtered(self.headers, http.HOP_BY_HOP, drop)
-        client = self.client
-        if framing == _LENGTH:
-            end = b"Content-Length: %d\r\n" % length
-        elif framing == _CHUNKED:
-            end = b"Transfer-Encoding: chunked\r\n"
-        else:
-            end = b""
-        if self.head_request:
-            value = self.index.get(b"content-length")
-            end = b"Content-Length: " + value + b"\r\n" if value is not None else b""
-        if not client.keep_alive:
-            end += b"Connection: close\r\n"
-        return b"".join((http.status_line(self.status), lines, self.extra, end, b"\r\n"))
-
     def _commit_relay(self) -> None:
         """Send the head now; the body follows as it arrives."""
-        client = self.client
         self.state = _RELAY
         self.first_byte_at = time.monotonic()
         pulse = self.pulse
         if pulse is not None and self.sse and not self.streaming:
             self.streaming = True
             pulse.streams += 1
-        if self.resumed:  # the client has its head: the continuation's events join its body
-            self.framing = self.tracker.framing
-            self._rearm_idle()
-            return
-        length_value = self.index.get(b"content-length")
-        if self.head_request or self.status in (204, 304):
-            framing = _NO_BODY
-        elif self.mode == PASS and length_value is not None and not self.close_delimited:
-            framing = _LENGTH
-        elif client.http11:
-            framing = _CHUNKED
-        else:
-            framing = _CLOSE
-            client.keep_alive = False
-        self.framing = framing
-        if self.tracker is not None:
-            self.tracker.framing = framing
-        # written with the first piece of body (one send instead of two; see _flush)
-        self.held_head = self._head(framing, int(length_value) if framing == _LENGTH else 0)
+        self.relay.commit(self.status, self.headers, self.index, self.close_delimited, self.sse)
         self._rearm_idle()
 
     def _flush(self, last: bool = False) -> bool:
-        """Write what arrived (and a held head, and with `last` the end of the body) in one send. False when
-        `last` but a tracked stream is not whole (broken, or no [DONE]): its body is then left open."""
-        parts = []
-        tracker = self.tracker
-        if self.held_head:
-            parts.append(self.held_head)
-            self.held_head = b""
+        """relay.py's flush of what arrived; False when `last` but a tracked stream is not whole."""
         out = self.out
         if out:
-            data = out[0] if len(out) == 1 else b"".join(out)
             self.out = []
-            if tracker is not None:
-                data = tracker.feed(data)  # whole events only: a break leaves the client between two
-            elif self.sse:
-                self.ends_clean = data.endswith(b"\n\n")
-            if data:
-                if self.framing == _CHUNKED:  # http.chunk(data), framed in the one join below
-                    parts += (b"%x\r\n" % len(data), data, b"\r\n")
-                else:
-                    parts.append(data)
-        if last and tracker is not None and (tracker.broken is not None or not tracker.done):
-            last = False
-        elif last and self.framing == _CHUNKED:
-            parts.append(http.LAST_CHUNK)
-        if parts and not self.client.closed:
-            self.client.transport.write(parts[0] if len(parts) == 1 else b"".join(parts))
-        return last
+        return self.relay.flush(out, last)
 
     def _finish(self) -> None:
         """The worker's response is complete: answer the client if not yet done, free the connection."""
@@ -490,8 +383,7 @@ class Exchange:
         else:  # _BUFFER or _FIRST: the whole answer at once
             body = b"".join(self.parts)
             self.first_byte_at = time.monotonic()
-            if not client.closed:
-                client.transport.write(self._head(_LENGTH, len(body)) + body)
+            self.relay.whole(self.status, self.headers, self.index, body)
             outcome = Relayed(self.status, self.first_byte_at, client_gone=client.closed)
         self.future.set_result(outcome)
 
@@ -499,7 +391,7 @@ class Exchange:
         """The worker failed (closed, broke the framing, or went silent): retry, or end the client's answer."""
         state = self.state
         reused = self.conn is not None and self.conn.reused
-        if self.out or self.held_head:
+        if self.out or self.relay.held_head:
             self._flush()
         self._stop()
         status = self.status
@@ -533,20 +425,17 @@ class Exchange:
     def _stream_broke(self, reason: str, detail: str) -> Relayed:
         """The worker failed after the first byte: a migratable stream is handed back open, others end."""
         client = self.client
-        if self.tracker is not None and not client.closed and self.framing in (_CHUNKED, _CLOSE):
+        if self.tracker is not None and not client.closed and self.relay.framing in (CHUNKED, CLOSE):
             log.info("worker stream broke after the first byte (%s: %s)", reason, detail)
             return Relayed(self.status, self.first_byte_at, worker_failed=True, resumable=True,
                            break_reason=reason)
         log.warning("worker stream broke after the first byte (%s); ending the client's stream", reason)
-        self._end_client_after_failure(reason)
+        self.relay.end_after_failure(reason)
         return Relayed(self.status, self.first_byte_at, worker_failed=True, client_gone=client.closed,
                        break_reason=reason)
 
     def parser_seen_bytes(self) -> bool:
         return self.last_activity != 0.0
-
-    def _end_client_after_failure(self, reason: str) -> None:
-        end_stream(self.client, self.framing, reason, sse=self.sse, clean=self.ends_clean)
 
     def _stop(self) -> None:
         """No more of this exchange: the timer goes, the upstream connection closes (the worker sees it)."""
@@ -558,28 +447,3 @@ class Exchange:
         self.conn = None
         if conn is not None:
             conn.close()
-
-
-def end_stream(client: Client, framing: int, reason: str | None, sse: bool = True, clean: bool = True,
-               tail: bytes = b"") -> None:
-    """End the client's body after its worker failed: an SSE stream gets an error event (or, with `reason`
-    None, `tail` alone: its answer was complete) and [DONE]; any other body can only be cut off."""
-    if client.closed:
-        return
-    if sse and framing in (_CHUNKED, _CLOSE):
-        if reason is None:
-            data = tail
-        else:
-            event = orjson.dumps(error_body(f"The worker serving this request failed mid-stream ({reason}).",
-                                            "server_error", code="worker_failed"))
-            data = (b"" if clean else b"\n\n") + b"data: " + event + b"\n\ndata: [DONE]\n\n"
-        if framing == _CHUNKED:
-            client.transport.write(http.chunk(data) + http.LAST_CHUNK)
-            return
-        client.transport.write(data)
-    client.keep_alive = False
-    client.closed = True
-    if framing == _CLOSE and sse:
-        client.transport.close()
-    else:
-        client.transport.abort()

@@ -26,9 +26,16 @@ def new_instance_id() -> str:
 
 def request_id(given: bytes | None) -> str:
     """The client's x-request-id when it is a plain id; otherwise (absent, long, odd bytes) a new one."""
-    if given and _CLIENT_REQUEST_ID.fullmatch(given):
+    if given and _CLIENT_REQUEST_ID.fullmatch(given):  # client_request_id(), without a call: once per request
         return given.decode("ascii")
     return _uuid4_hex()
+
+
+def client_request_id(given: bytes | None) -> str | None:
+    """The client's x-request-id when it is a plain id, else None."""
+    if given and _CLIENT_REQUEST_ID.fullmatch(given):
+        return given.decode("ascii")
+    return None
 
 
 def _uuid4_hex() -> str:

@@ -141,7 +141,7 @@ class StreamTracker:
         self.done = False          # data: [DONE] reached the client
         self.broken: str | None = None   # the current worker's stream cannot be read on
         self._blocker: str | None = None  # seen in the stream: what makes it impossible to continue
-        self.framing = 0           # the client body's framing (exchange.py's _CHUNKED / _CLOSE)
+        self.framing = 0           # the client body's framing (relay.py's CHUNKED / CLOSE)
         self.migrations = 0
         self.passthrough = False   # not an OpenAI chunk stream: relayed as bytes, no longer read
         self.lazy = False          # the first chunk was read: later events wait in `unread`

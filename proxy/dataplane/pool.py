@@ -1,7 +1,8 @@
 """Keep-alive connections to workers (and to the control-plane app): one free list per endpoint.
 
 Owns connecting (TCP_NODELAY, TLS for https workers, a unix socket for the internal app),
-reuse and discarding of connections; what travels over one is exchange.py's.
+reuse and discarding of connections; what travels over one is exchange.py's, which it tells
+through the UpstreamListener protocol.
 """
 
 from __future__ import annotations
@@ -10,17 +11,24 @@ import asyncio
 import socket
 import ssl
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 from urllib.parse import urlsplit
-
-if TYPE_CHECKING:
-    from proxy.dataplane.exchange import Exchange
 
 # A pooled connection idle longer than this is closed rather than reused: engines' HTTP servers
 # (uvicorn) drop keep-alive connections after 5 s, and a request written into a closing one is lost.
 POOL_IDLE_S = 4.0
 # Free connections kept per endpoint; more than engines batch at once.
 MAX_FREE_PER_ENDPOINT = 512
+
+
+class UpstreamListener(Protocol):
+    """What a connection tells the exchange it carries (exchange.py's Exchange)."""
+
+    def upstream_data(self, data: bytes) -> None: ...
+
+    def upstream_eof(self) -> None: ...
+
+    def upstream_lost(self, exc: Exception | None) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +64,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.pool = pool
         self.endpoint = endpoint
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
-        self.exchange: Exchange | None = None
+        self.exchange: UpstreamListener | None = None
         self.reused = False
         self.idle_since = 0.0
         self.closed = False

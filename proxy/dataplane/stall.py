@@ -2,7 +2,8 @@
 holds requests, and the verdict "stalled" that moves everything it holds elsewhere.
 
 Owns the threshold (max(timeouts.stall_min_s, 20 x the gap's EWMA), at most idle_s) and one lazily re-armed
-timer per busy worker; what a stalled exchange does (retry, migrate) is exchange.py's and journey.py's.
+timer per busy worker; what a stalled exchange does (retry, migrate) is exchange.py's and journey.py's, told
+through the Watched protocol.
 """
 
 from __future__ import annotations
@@ -10,13 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from proxy.config import Timeouts
 from proxy.registry import Registry, Worker
-
-if TYPE_CHECKING:
-    from proxy.dataplane.exchange import Exchange
 
 log = logging.getLogger("kvroute.dataplane")
 
@@ -27,6 +25,15 @@ STALL_GAPS = 20.0       # silence of this many typical gaps, at least stall_min_
 # delay a report or two).
 REPORTS_LAPSED_S = 5.0
 RECHECK_S = 0.25
+
+
+class Watched(Protocol):
+    """What a pulse needs of an exchange it watches (exchange.py's Exchange)."""
+
+    streaming: bool  # relaying a stream: bytes are expected steadily
+    paused: bool     # reading paused because its client reads slowly
+
+    def worker_stalled(self, detail: str) -> None: ...
 
 
 class Pulse:
@@ -42,7 +49,7 @@ class Pulse:
         self.timeouts = timeouts
         self.on_stall = on_stall
         self.clock = clock
-        self.exchanges: set[Exchange] = set()
+        self.exchanges: set[Watched] = set()
         self.last_byte = loop.time()
         self.gap = 0.0            # EWMA of a stream's inter-chunk gap, seconds
         self.streams = 0          # exchanges relaying a stream (bytes are expected steadily)
@@ -52,14 +59,14 @@ class Pulse:
         timeouts = self.timeouts()
         return min(max(timeouts.stall_min_s, STALL_GAPS * self.gap), timeouts.idle_s)
 
-    def join(self, exchange: Exchange) -> None:
+    def join(self, exchange: Watched) -> None:
         if not self.exchanges:
             self.last_byte = self.loop.time()  # silence counts only while it holds requests
         self.exchanges.add(exchange)
         if self.timer is None:
             self.timer = self.loop.call_at(self.last_byte + self.threshold(), self._check)
 
-    def leave(self, exchange: Exchange) -> None:
+    def leave(self, exchange: Watched) -> None:
         self.exchanges.discard(exchange)
         if not self.exchanges and self.timer is not None:
             self.timer.cancel()

@@ -8,7 +8,6 @@ from the proxy config. Nothing here decides or forwards anything; with tracing o
 from __future__ import annotations
 
 import logging
-import re
 import time
 import types
 from collections.abc import Awaitable, Generator
@@ -21,7 +20,6 @@ from proxy.observability.tracing import TRACEPARENT, RequestTrace, Tracing, trac
 log = logging.getLogger("kvroute.observability")
 
 T = TypeVar("T")
-_PLAIN_ID = re.compile(rb"[A-Za-z0-9._:/+=@-]{1,128}")  # as proxy/dataplane/identity.py keeps a client's id
 _NONE: frozenset[bytes] = frozenset()
 _TRACE_HEADERS = frozenset((TRACEPARENT,))
 
@@ -99,7 +97,7 @@ class RequestWatch:
         return trace.upstream_start(worker_id, url) if trace is not None else b""
 
     def attempt_ended(self, outcome: Any) -> None:
-        """An attempt is over: `outcome` is exchange.py's Relayed or Retryable, None when the client went away."""
+        """An attempt is over: `outcome` is proxy/dataplane/outcome.py's Relayed or Retryable, None when the client went away."""
         if outcome is None:
             status, first_byte_at, error = None, None, "client_closed"
             if not self.status:
@@ -212,15 +210,13 @@ class Observer:
             peer, req.header(b"authorization"), req.header(ADMIN_TOKEN_HEADER))
         return RequestWatch(self, rid, req.started, trace, debug)
 
-    def refused(self, req: _Request, status: int, code: str | None) -> None:
+    def refused(self, req: _Request, status: int, code: str | None, request_id: str | None) -> None:
         """A completion the server refused before the data plane saw it (bad credentials, too large...): its
-        access-log line, with the client's request id when it sent a plain one."""
+        access-log line, with the client's request id when it sent a plain one (else None)."""
         access = self.access_log
         if access is None or not access.enabled():
             return
-        given = req.header(b"x-request-id")
-        rid = given.decode("ascii") if given and _PLAIN_ID.fullmatch(given) else None
-        access.write({"ts": round(time.time(), 3), "request_id": rid, "model": None, "worker": None, "policy": None,
+        access.write({"ts": round(time.time(), 3), "request_id": request_id, "model": None, "worker": None, "policy": None,
                       "reason": None, "status": status, "error": code, "ttft_ms": None,
                       "total_ms": round((time.monotonic() - req.started) * 1000, 3), "retries": 0, "migrations": 0,
                       "stream": None, "client": None})

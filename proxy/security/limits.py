@@ -1,8 +1,8 @@
-"""Limits against hostile or broken callers on the aiohttp side: request shape, headers, bodies, connections.
+"""Limits against hostile or broken callers on the aiohttp side: request shape, headers, bodies.
 
 Owns the effective limits (proxy.limits, models[].limits overrides, defaults), the per-request
-shape check after parse, the header/body/budget middleware and the connection-capping site.
-The data plane (proxy/dataplane/) enforces the same config on its own connections.
+shape check after parse and the header/body/budget middleware of the control-plane app. The data
+plane (proxy/dataplane/) enforces the same config on its own connections.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 
 from proxy.config import FleetConfig, ProxyLimits, RequestLimits
-from proxy.errors import ProxyError, error_body, error_response
+from proxy.errors import ProxyError, error_response, request_too_large
 from proxy.request import RoutedRequest, image_size_from_data_url
 
 log = logging.getLogger("kvroute.limits")
@@ -190,8 +190,7 @@ def limits_middleware(config: FleetConfig, registry: Any, authenticate: Callable
                                                f"{limits.body_read_timeout_s:g}s.", code="body_timeout",
                                           headers={"Connection": "close"})
                 except web.HTTPRequestEntityTooLarge:
-                    return error_response(413, f"The request body is larger than the proxy's limit of {max_body} "
-                                               f"bytes.", code="request_too_large")
+                    return request_too_large(max_body).response()
                 if request.method == "POST" and request.path in _WORKER_REGISTRATION_PATHS:
                     _check_worker_cap(registry, limits.max_workers, body)
                 return await handler(request)
@@ -226,98 +225,6 @@ def parser_limits(config: FleetConfig) -> dict[str, int]:
     return {"max_headers": limits.max_headers * PARSER_BACKSTOP,
             "max_field_size": max(8190, limits.max_header_bytes * PARSER_BACKSTOP),
             "max_line_size": max(8190, limits.max_header_bytes * PARSER_BACKSTOP)}
-
-
-# --- connections ---------------------------------------------------------------------------
-
-_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-            b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s")
-_HEADER_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                   b"Content-Length: %d\r\n\r\n%s")
-
-
-def _raw_response(template: bytes, message: str, err_type: str, code: str) -> bytes:
-    body = orjson.dumps(error_body(message, err_type, code))
-    return template % (len(body), body)
-
-
-class _Refuse(asyncio.Protocol):
-    """Answers one connection over the cap with a 503 and closes it.
-
-    Closes by halves (FIN, then close after the client's own or a second): closing a socket with
-    the client's unread request in it sends a reset, and the client would lose the 503 itself.
-    """
-
-    LINGER_S = 1.0
-
-    def __init__(self, response: bytes) -> None:
-        self.response = response
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.write(self.response)  # type: ignore[attr-defined]
-        if transport.can_write_eof():  # type: ignore[attr-defined]
-            transport.write_eof()  # type: ignore[attr-defined]
-            asyncio.get_running_loop().call_later(self.LINGER_S, transport.close)
-        else:
-            transport.close()
-
-    def data_received(self, data: bytes) -> None:
-        pass  # the request is not read: it is answered already
-
-    def eof_received(self) -> bool:
-        return False  # the client is done too: close now
-
-
-class LimitedTCPSite(web.TCPSite):
-    """TCPSite that caps open client connections and closes a connection whose first request's
-    headers are not complete within header_read_timeout_s (408)."""
-
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, limits: ProxyLimits, **kwargs: Any) -> None:
-        super().__init__(runner, host, port, **kwargs)
-        self.limits = limits
-        self._refused = _raw_response(_REFUSED, "The proxy has as many client connections open as it may.",
-                                      "service_unavailable", "too_many_connections")
-        self._timed_out = _raw_response(_HEADER_TIMEOUT, f"The request headers did not arrive within "
-                                        f"{limits.header_read_timeout_s:g}s.", "invalid_request_error",
-                                        "header_timeout")
-
-    async def start(self) -> None:
-        await web.BaseSite.start(self)
-        loop = asyncio.get_running_loop()
-        server = self._runner.server
-        assert server is not None
-
-        pending = 0  # accepted, but connection_made (which lists it in server.connections) has not run yet
-
-        def settled() -> None:
-            nonlocal pending
-            pending -= 1
-
-        def factory() -> asyncio.Protocol:
-            nonlocal pending
-            if len(server.connections) + pending >= self.limits.max_client_connections:
-                return _Refuse(self._refused)
-            pending += 1
-            # The transport schedules connection_made right after this returns; two hops land after it.
-            loop.call_soon(loop.call_soon, settled)
-            handler = server()
-            loop.call_later(self.limits.header_read_timeout_s, self._check_first_request, handler)
-            return handler
-
-        self._server = await loop.create_server(factory, self._host, self._port, ssl=self._ssl_context,
-                                                backlog=self._backlog, reuse_address=self._reuse_address,
-                                                reuse_port=self._reuse_port)
-        sockets = self._server.sockets
-        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
-
-    def _check_first_request(self, handler: Any) -> None:
-        transport = getattr(handler, "transport", None)
-        # aiohttp counts the requests it has parsed on a connection; none yet means the first
-        # request's headers are still incomplete (a slow sender), or nothing was sent at all.
-        if transport is None or transport.is_closing() or getattr(handler, "_request_count", 1) > 0:
-            return
-        transport.write(self._timed_out)
-        transport.close()
 
 
 # --- memory --------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""`kvroute bench decision` in miniature: it times Dispatcher.pick on live fleets and writes its result files."""
+"""`kvroute bench decision` in miniature: it times RoutingService.pick on live fleets and writes its result files."""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ class Fleet:
         self.procs = procs
         self.tmp_path = tmp_path
         self.url = ""
+        self.proxy: Proc | None = None  # the proxy process, once started
         self.http = httpx.Client(timeout=30.0)
         self.secrets: dict[str, str] = {}  # worker id -> the secret its registration returned
 
@@ -41,7 +42,7 @@ class Fleet:
             path = self.tmp_path / "config.yaml"
             path.write_text(config)
             extra += ["--config", str(path)]
-        self.procs.kvroute("proxy", "--port", str(port), *extra, name="proxy")
+        self.proxy = self.procs.kvroute("proxy", "--port", str(port), *extra, name="proxy")
         self.url = f"http://127.0.0.1:{port}"
         wait_http_ok(self.url + "/health", timeout=30)
         return self.url

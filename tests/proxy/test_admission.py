@@ -111,11 +111,11 @@ def test_waiters_leave_in_arrival_order_one_per_completion_with_no_timer():
         released: dict[int, tuple[int, str]] = {}  # waiter -> (the completion that released it, where to)
         completions = [("a", running["a"][0]), ("b", running["b"][0]), ("a", running["a"][1])]
         for k, (wid, finished) in enumerate(completions, start=1):
-            registry.get(wid).load.finish_request(finished)   # what Dispatcher.end() does ...
+            registry.get(wid).load.finish_request(finished)   # what RoutingService.end() does ...
             admission.wake()                                   # ... and then this
             await turns()
             for i, task in enumerate(tasks):
-                if task.done() and i not in released:  # it is sent: Dispatcher.begin()'s accounting + wake
+                if task.done() and i not in released:  # it is sent: RoutingService.begin()'s accounting + wake
                     decision = task.result()
                     released[i] = (k, decision.worker.worker_id)
                     decision.worker.load.start_request(100, clock.now)
@@ -240,7 +240,7 @@ def test_with_admit_after_output_requests_sent_since_the_report_hold_the_next_un
         task = asyncio.create_task(admission.admit(policy, chat(), "m", set(), True))
         await turns()
         assert admission.queue_lengths() == {"m": 1} and not task.done()  # neither engine has shown it took its own
-        registry.get("b").load.first_output(sent["b"])  # what Dispatcher.first_output() does ...
+        registry.get("b").load.first_output(sent["b"])  # what RoutingService.first_output() does ...
         admission.wake()                                 # ... and then this (no timer, no report)
         await turns()
         assert task.done() and task.result().worker.worker_id == "b"

@@ -220,18 +220,17 @@ def test_a_request_longer_than_some_workers_context_goes_only_to_the_others_and_
 
 def test_the_load_order_stays_true_through_dispatcher_begin_end_and_reports_with_workers_going_stale():
     from proxy.config import FleetConfig
-    from proxy.dispatch import Dispatcher, PolicySet
-    from proxy.metrics import ProxyMetrics
+    from proxy.live import LiveConfig
     from proxy.protocol import STALE_AFTER_S, LoadReport
-    from proxy.upstream import Upstream
+    from proxy.routing.policy_set import PolicySet
+    from proxy.routing.service import RoutingService
 
     rng, clock = random.Random(11), Clock()
     registry = Registry(clock=clock)
     config = FleetConfig()
     deps = PolicyDeps(prefix_index=PrefixIndex(), rng=random.Random(11))
-    dispatcher = Dispatcher(config, registry, Upstream(config.proxy.timeouts), PolicySet(config, "kv_aware", deps),
-                            ProxyMetrics(registry))
-    policy = dispatcher.policies.for_model("m")
+    dispatcher = RoutingService(LiveConfig(config, PolicySet(config, "kv_aware", deps)), registry)
+    policy = dispatcher.policy_for("m")
     ids = [f"r{i}" for i in range(60)]
     for wid in ids:
         registry.register(WorkerRegistration(worker_id=wid, url=f"http://{wid}", models=["m"], engine="sim",

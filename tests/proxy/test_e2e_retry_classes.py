@@ -21,10 +21,7 @@ def _bad_image_chat(url: str) -> httpx.Response:
                                      {"type": "text", "text": "what is this?"}]}]})
 
 
-@pytest.mark.parametrize("data_plane", ["fast", "aiohttp"])
-def test_unreachable_image_urls_get_a_400_each_and_valid_requests_meanwhile_are_served(fleet, procs, monkeypatch,
-                                                                                       data_plane):
-    monkeypatch.setenv("KVROUTE_DATA_PLANE", data_plane)
+def test_unreachable_image_urls_get_a_400_each_and_valid_requests_meanwhile_are_served(fleet, procs):
     fleet.start_proxy()
     engines = []
     for i in range(2):

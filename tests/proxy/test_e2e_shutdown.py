@@ -1,5 +1,5 @@
 """Stopping a proxy under traffic: new requests get 503 `shutting_down` at once, streams in flight finish,
-and the process exits within drain_grace_s (no silent minute), on both data planes."""
+and the process exits within drain_grace_s (no silent minute)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 GRACE_S = 15
 
 
-@pytest.mark.parametrize("data_plane", ["fast", "aiohttp"])
-def test_sigterm_refuses_new_requests_finishes_streams_and_exits_within_the_grace(fleet, procs, monkeypatch,
-                                                                                  data_plane):
-    monkeypatch.setenv("KVROUTE_DATA_PLANE", data_plane)
+def test_sigterm_refuses_new_requests_finishes_streams_and_exits_within_the_grace(fleet, procs):
     fleet.start_proxy(config=f"proxy:\n  drain_grace_s: {GRACE_S}\n")
     proxy = next(p for p in procs.procs if p.name == "proxy")
     fleet.start_sims(1, time_scale=1.0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from proxy.protocol import STALE_AFTER_S, LoadReport, WorkerRegistration
-from proxy.registry import CircuitBreaker, Registry, WorkerState
+from proxy.registry import BreakerState, CircuitBreaker, Registry, WorkerState
 
 
 class Clock:
@@ -73,6 +73,23 @@ def test_an_open_circuit_excludes_a_worker_until_its_cooldown_ends():
     assert worker.state(clock()) is WorkerState.READY  # half-open: one trial
     assert registry.record_failure(worker, "500")      # the trial failed: open again at once
     assert worker.breaker.open_until - clock() == CircuitBreaker.BASE_COOLDOWN_S * 2
+
+
+def test_a_breaker_says_which_state_it_is_in_as_it_opens_half_opens_and_closes():
+    breaker, now = CircuitBreaker(), 100.0
+    assert breaker.state(now) is BreakerState.CLOSED
+    for _ in range(CircuitBreaker.FAILURES_TO_OPEN - 1):
+        assert not breaker.record_failure(now)
+    assert breaker.state(now) is BreakerState.CLOSED
+    assert breaker.record_failure(now) and breaker.state(now) is BreakerState.OPEN
+    now += CircuitBreaker.BASE_COOLDOWN_S
+    assert breaker.state(now) is BreakerState.HALF_OPEN  # the cooldown is over: requests are trials
+    assert breaker.record_failure(now) and breaker.state(now) is BreakerState.OPEN  # a failed trial
+    assert breaker.state(now + CircuitBreaker.BASE_COOLDOWN_S) is BreakerState.OPEN  # for twice as long
+    breaker.half_open()  # the worker shows it is alive: no need to wait out the cooldown
+    assert breaker.state(now) is BreakerState.HALF_OPEN
+    breaker.record_success()
+    assert breaker.state(now) is BreakerState.CLOSED and breaker.cooldown_s == CircuitBreaker.BASE_COOLDOWN_S
 
 
 def test_draining_is_reported_or_requested_and_takes_no_new_work():

@@ -261,7 +261,7 @@ def test_prefix_index_ignores_entries_older_than_its_ttl():
 
 def test_a_model_can_have_its_own_policy():
     from proxy.config import FleetConfig
-    from proxy.dispatch import PolicySet
+    from proxy.routing.policy_set import PolicySet
 
     config = FleetConfig.model_validate({"models": [
         {"name": "chat", "engine": "sim", "policy": "session"}, {"name": "other", "engine": "sim"}]})

@@ -1,7 +1,7 @@
 """Routing knobs in config.yaml: they reach the decision, per model over the fleet's, change live, and bad ones
 are refused by key path and line.
 
-Driven through the proxy's own app (build_app, apply_config) and its routing service (the dispatcher's pick),
+Driven through the proxy's own app (build_app, apply_config) and its routing service (the routing's pick),
 on a real Registry fed load reports: the same path a request and a config edit take, without the sockets.
 """
 
@@ -12,7 +12,7 @@ import asyncio
 import orjson
 import pytest
 
-from proxy.app import DISPATCHER_KEY, REGISTRY_KEY, apply_config, build_app
+from proxy.app import REGISTRY_KEY, ROUTING_KEY, apply_config, build_app
 from proxy.config import ConfigError, parse_config
 from proxy.protocol import LoadReport, WorkerRegistration
 from proxy.request import CHAT, parse_request
@@ -37,10 +37,10 @@ def fleet(yaml: str, models: tuple[str, ...] = ("m",)):
 
 def pick(app, model: str = "m", system: str | None = None) -> str:
     """The worker the running proxy's routing service picks for one chat request (as the data plane asks)."""
-    dispatcher = app[DISPATCHER_KEY]
+    routing = app[ROUTING_KEY]
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "hi"}]
     routed = parse_request(orjson.dumps({"model": model, "messages": messages, "max_tokens": 8}), CHAT)
-    decision = asyncio.run(dispatcher.pick(dispatcher.policies.for_model(model), routed, model, set(), True))
+    decision = asyncio.run(routing.pick(routing.live.policies.for_model(model), routed, model, set(), True))
     assert decision is not None
     return decision.worker.worker_id
 
@@ -56,21 +56,21 @@ def test_a_models_own_knobs_beat_the_fleets_and_leave_other_models_alone():
                 "  - {name: n, engine: sim}\n", models=("m", "n"))
     assert pick(app, "m") == "b"  # its own 0.05: a's queue costs 0.5
     assert pick(app, "n") == "a"  # the fleet's 0
-    own = app[DISPATCHER_KEY].policies.for_model("m").knobs.kv_aware
+    own = app[ROUTING_KEY].live.policies.for_model("m").knobs.kv_aware
     assert own.queue_weight == 0.05 and own.prefix_weight == 1.0  # the keys it does not set: the fleet's
 
 
 def test_a_live_edit_changes_the_next_pick_and_keeps_what_the_policies_learnt():
     app = fleet("proxy: {policy: kv_aware}\n")
-    dispatcher = app[DISPATCHER_KEY]
-    policy = dispatcher.policies.for_model("m")
-    index, estimator = dispatcher.policies.deps.prefix_index, dispatcher.policies.deps.estimator
+    routing = app[ROUTING_KEY]
+    policy = routing.live.policies.for_model("m")
+    index, estimator = routing.live.policies.deps.prefix_index, routing.live.policies.deps.estimator
     # something learnt: a prompt's prefix sent to b, and b's measured prefill cost
     routed = parse_request(orjson.dumps({"model": "m", "max_tokens": 8, "messages": [
         {"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]}), CHAT)
-    decision = asyncio.run(dispatcher.pick(policy, routed, "m", set(), True))
+    decision = asyncio.run(routing.pick(policy, routed, "m", set(), True))
     assert decision is not None and decision.worker.worker_id == "b"
-    dispatcher.end(dispatcher.begin(decision, policy, routed), None)
+    routing.end(routing.begin(decision, policy, routed), None)
     estimator.for_worker("b").observe_prefill(2000, 0, 0.5)
     learnt_theta, fleet_s_per_token = list(estimator.for_worker("b").theta), estimator.for_worker("a").s_per_token
 
@@ -79,7 +79,7 @@ def test_a_live_edit_changes_the_next_pick_and_keeps_what_the_policies_learnt():
         "    prefix_index: {ttl_s: 60}\n", env={}))
     assert change.live == ["proxy.routing"]
     assert pick(app) == "a"  # from the next request
-    assert dispatcher.policies.for_model("m") is policy and policy.knobs.kv_aware.queue_weight == 0
+    assert routing.live.policies.for_model("m") is policy and policy.knobs.kv_aware.queue_weight == 0
     now = app[REGISTRY_KEY].clock()
     assert index.ttl_s == 60 and index.match(routed.prefix_hashes, None, now) == {"b": len(routed.prefix_hashes)}
     assert estimator.for_worker("b").theta == learnt_theta  # measured: kept
@@ -93,7 +93,7 @@ def test_a_live_edit_of_the_admission_rules_releases_what_they_no_longer_hold():
     held = "proxy:\n  queue: {max_wait_s: 60}\n  routing:\n    admission: {confirm_above_kv_usage: 0, " \
            "confirm_above_prefill_tokens: 0}\n"
     app = fleet(held)
-    dispatcher, registry = app[DISPATCHER_KEY], app[REGISTRY_KEY]
+    routing, registry = app[ROUTING_KEY], app[REGISTRY_KEY]
     for seq, wid in enumerate(("a", "b"), start=10):
         registry.record_report(wid, LoadReport(worker_id=wid, url=f"http://{wid}.test", models=["m"],
                                                kv_cache_usage=0.2, kv_capacity_tokens=100_000, num_running=1,
@@ -103,10 +103,10 @@ def test_a_live_edit_of_the_admission_rules_releases_what_they_no_longer_hold():
         {"role": "user", "content": "hi"}]}), CHAT)
 
     async def scenario() -> str:
-        waiter = asyncio.create_task(dispatcher.pick(dispatcher.policies.for_model("m"), routed, "m", set(), True))
+        waiter = asyncio.create_task(routing.pick(routing.live.policies.for_model("m"), routed, "m", set(), True))
         for _ in range(5):
             await asyncio.sleep(0)
-        assert not waiter.done() and dispatcher.queue_lengths() == {"m": 1}
+        assert not waiter.done() and routing.queue_lengths() == {"m": 1}
         apply_config(app, parse_config(held.replace("admission: {", "admission: {admit_after_output: false, "),
                                        env={}))
         decision = await asyncio.wait_for(waiter, 5)  # released by the edit itself: no report, no finish
@@ -118,8 +118,8 @@ def test_a_live_edit_of_the_admission_rules_releases_what_they_no_longer_hold():
 
 def test_kv_costs_knobs_and_a_smaller_prefix_index_apply_live():
     app = fleet("proxy: {policy: kv_cost}\n")
-    dispatcher = app[DISPATCHER_KEY]
-    index = dispatcher.policies.deps.prefix_index
+    routing = app[ROUTING_KEY]
+    index = routing.live.policies.deps.prefix_index
     for i in range(4):
         pick_and_send(app, f"{SYSTEM} variant {i}")
     assert len(index) > 8
@@ -127,20 +127,20 @@ def test_kv_costs_knobs_and_a_smaller_prefix_index_apply_live():
                                    "    prefix_index: {max_blocks: 8}\n"
                                    "    estimator: {prior_prefill_tokens_per_s: 5000}\n", env={}))
     assert len(index) == 8  # the least recently used beyond the new size are gone at once
-    assert dispatcher.policies.for_model("m").config.resolution_s == 0.5
+    assert routing.live.policies.for_model("m").config.resolution_s == 0.5
     # nothing measured or reported a prefill rate yet: the new prior prices every worker
-    estimator = dispatcher.policies.deps.estimator
+    estimator = routing.live.policies.deps.estimator
     assert estimator.for_worker("a").s_per_token == estimator.for_worker("new").s_per_token == 1 / 5000
 
 
 def pick_and_send(app, system: str) -> None:
-    dispatcher = app[DISPATCHER_KEY]
-    policy = dispatcher.policies.for_model("m")
+    routing = app[ROUTING_KEY]
+    policy = routing.live.policies.for_model("m")
     routed = parse_request(orjson.dumps({"model": "m", "max_tokens": 8, "messages": [
         {"role": "system", "content": system}, {"role": "user", "content": "hi"}]}), CHAT)
-    decision = asyncio.run(dispatcher.pick(policy, routed, "m", set(), True))
+    decision = asyncio.run(routing.pick(policy, routed, "m", set(), True))
     assert decision is not None
-    dispatcher.end(dispatcher.begin(decision, policy, routed), None)
+    routing.end(routing.begin(decision, policy, routed), None)
 
 
 @pytest.mark.parametrize(("yaml", "message"), [

@@ -25,7 +25,7 @@ from proxy.errors import ProxyError
 from proxy.security.clientauth import ANONYMOUS, ClientAuth, load_keys
 from tests.proxy.fleet import Fleet
 from tests.proxy.test_e2e_state import redis_url  # noqa: F401  (fixture: a real redis-server on a free port)
-from tests.support.procs import free_port, wait_http_ok, wait_until
+from tests.support.procs import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,33 +96,6 @@ class RecordingWorker:
         self.server.server_close()
 
 
-@pytest.fixture(params=["aiohttp", "fast"])
-def fleet(procs, tmp_path, request):
-    """A Fleet whose proxy runs the given data plane: each check holds on both (KVROUTE_DATA_PLANE)."""
-    f = PlaneFleet(procs, tmp_path, request.param)
-    yield f
-    f.close()
-
-
-class PlaneFleet(Fleet):
-    def __init__(self, procs, tmp_path, plane: str) -> None:
-        super().__init__(procs, tmp_path)
-        self.plane = plane
-
-    def start_proxy(self, *args: str, config: str | None = None) -> str:
-        port = free_port()
-        extra = list(args)
-        if config is not None:
-            path = self.tmp_path / f"config-{port}.yaml"
-            path.write_text(config)
-            extra += ["--config", str(path)]
-        self.proxy = self.procs.kvroute("proxy", "--port", str(port), *extra, name="proxy",
-                                        env={"KVROUTE_DATA_PLANE": self.plane})
-        self.url = f"http://127.0.0.1:{port}"
-        wait_http_ok(self.url + "/health", timeout=30)
-        return self.url
-
-
 @pytest.fixture
 def recording_worker():
     worker = RecordingWorker()
@@ -169,6 +142,37 @@ def test_keys_guard_v1_and_metrics_and_client_credentials_never_reach_the_worker
     assert httpx.get(fleet.url + "/health").status_code == 200  # liveness stays open
 
 
+# Other spellings of a completion path: an escaped letter, a fragment, an absolute-form target, dot segments,
+# doubled or trailing slashes. Only the data plane serves completions (and logs each); the control-plane app
+# behind it decodes such targets, and once relayed them to a worker with no access-log line (issue 33, item 9).
+ODD_TARGETS = [b"/v1/chat/%63ompletions", b"/v1/chat/completions#fragment", b"/v1/%63ompletions",
+               b"http://127.0.0.1/v1/chat/completions", b"http://127.0.0.1/v1/completions", b"/v1/chat/./completions",
+               b"/v1/x/../chat/completions", b"//v1/chat/completions", b"/v1/chat/completions/",
+               b"/v1/chat/completions%3Fa=b", b"/V1/chat/completions"]
+
+
+def test_other_spellings_of_a_completion_path_get_a_404_and_never_reach_a_worker(fleet, recording_worker):
+    fleet.start_proxy()
+    fleet.register("rec-0", recording_worker.url, model="m1")
+    port = int(fleet.url.rsplit(":", 1)[1])
+    body = orjson.dumps({"model": "m1", "messages": HELLO, "max_tokens": 4})
+    for target in ODD_TARGETS:
+        answer = raw_exchange(port, b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                                    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (target, len(body), body))
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 404"), (target, answer[:200])
+        assert orjson.loads(payload)["error"]["code"] == "not_found", target
+    assert recording_worker.seen == []
+
+    served = fleet.http.post(fleet.url + "/v1/chat/completions?a=b", content=body,
+                             headers={"Content-Type": "application/json", "x-request-id": "req-canonical"})
+    assert served.status_code == 200 and len(recording_worker.seen) == 1  # the worker was there all along
+    lines = wait_until(lambda: [line for line in fleet.proxy.log().splitlines() if "kvroute.access: " in line]
+                       or None, 10, what="the served request's access-log line")
+    (line,) = [orjson.loads(line.split("kvroute.access: ", 1)[1]) for line in lines]
+    assert (line["request_id"], line["status"], line["worker"]) == ("req-canonical", 200, "rec-0")
+
+
 def test_a_key_over_its_request_rate_gets_a_429_with_retry_after(fleet):
     fleet.start_proxy(config=KEYS_CONFIG)
     chat = fleet.url + "/v1/chat/completions"
@@ -185,7 +189,7 @@ def test_a_key_over_its_request_rate_gets_a_429_with_retry_after(fleet):
 
 def test_two_proxies_on_one_redis_share_a_keys_rate_limit(procs, tmp_path, redis_url):  # noqa: F811
     config = KEYS_CONFIG.replace("requests_per_s: 0.2", "requests_per_s: 0.05")
-    first, second = PlaneFleet(procs, tmp_path, "fast"), PlaneFleet(procs, tmp_path, "aiohttp")
+    first, second = Fleet(procs, tmp_path), Fleet(procs, tmp_path)
     first.start_proxy("--state", redis_url, config=config)
     second.start_proxy("--state", redis_url, config=config)
     body = {"model": "m1", "messages": HELLO}
@@ -295,10 +299,7 @@ def test_a_registration_past_max_workers_is_refused_and_a_re_registration_is_not
     fleet.register("w-1", "http://127.0.0.1:10", model="m1")  # replaces its own entry: allowed
 
 
-def test_connections_over_the_cap_get_a_503_and_the_held_ones_still_work(procs, tmp_path):
-    # The default data plane only: the aiohttp fallback (--data-plane aiohttp) counts connections
-    # through aiohttp's server, which lists one only once its handler ran, so its cap is approximate.
-    fleet = PlaneFleet(procs, tmp_path, "fast")
+def test_connections_over_the_cap_get_a_503_and_the_held_ones_still_work(fleet):
     fleet.start_proxy(config="proxy: {limits: {max_client_connections: 3, header_read_timeout_s: 30}}")
     port = int(fleet.url.rsplit(":", 1)[1])
     idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
