@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -27,6 +27,8 @@ class EngineLaunch:
     device: str  # "cpu" | "cuda"
     gpus: list[str] = field(default_factory=list)
     engine_args: list[str] = field(default_factory=list)
+    # where the engine publishes its KV-cache events (vLLM's --kv-events-config), when the worker forwards them
+    kv_events: dict[str, Any] | None = None
 
     def has_arg(self, *names: str) -> bool:
         """True when the user already passed one of these flags (as `--flag v` or `--flag=v`)."""
@@ -61,6 +63,10 @@ class EngineAdapter(Protocol):
 
     def observe_log_line(self, line: str) -> None:
         """Called with every line the engine prints (e.g. to learn which backend really runs)."""
+
+    def kv_event_scheme(self, launch: EngineLaunch, env: Mapping[str, str]) -> tuple[str, str] | None:
+        """(hash algorithm, NONE_HASH seed) the engine will name its KV blocks by when it publishes KV events
+        that a proxy can follow; None when it will not (no events, or hashes the proxy cannot recompute)."""
 
     @property
     def running_engine(self) -> str:
