@@ -30,6 +30,7 @@ from backends.address import advertise_url
 from backends.reporter import Load, ProxyReporter, parse_proxy_urls
 from backends.sim.engine import SimEngine
 from backends.sim.feed import StateFeed
+from backends.sim.kv_publisher import SimKvEvents, kv_event_configs
 from backends.sim.metrics import CONTENT_TYPE, SimMetrics
 from backends.sim.openai_api import (
     ApiError,
@@ -72,6 +73,7 @@ class SimServer:
         self.in_flight = 0
         self.requests_received = 0
         self.feed = StateFeed(self.engine, served_model_name, preset.name)
+        self.kv_events: SimKvEvents | None = None  # set by serve(): the publisher of vLLM-format KV events
         self.idle = asyncio.Event()
         self.idle.set()
         self._rng = random.Random(seed)
@@ -90,6 +92,8 @@ class SimServer:
         app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_get("/sim/state", self.state)
         app.router.add_get("/sim/feed", self.feed.handle)
+        app.router.add_get("/kv_event_sources", self.kv_event_sources)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -120,6 +124,18 @@ class SimServer:
 
     async def metrics_handler(self, _request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def kv_event_sources(self, _request: web.Request) -> web.Response:
+        """Where the KV events are published, per data-parallel rank (vLLM's route of that name)."""
+        configs = self.kv_events.advertised if self.kv_events is not None else []
+        return _json({str(rank): config for rank, config in enumerate(configs[:1])})
+
+    async def reset_prefix_cache(self, _request: web.Request) -> web.Response:
+        """Drop the prefix cache's unheld blocks (vLLM's dev-mode route): AllBlocksCleared when none stay."""
+        self.engine.kv.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return web.Response(status=200)
 
     async def state(self, _request: web.Request) -> web.Response:
         """The engine's internal state, for tests and operators (not part of vLLM's API)."""
@@ -302,6 +318,9 @@ async def serve(args: argparse.Namespace, preset: Preset) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    server.kv_events = SimKvEvents(server.engine, forward=bool(args.proxy_url) and not args.no_kv_events,
+                                   configs=kv_event_configs(args.kv_events_config))
+    await server.kv_events.start()
     reporter = None
     if args.proxy_url:
         # bound to 0.0.0.0: the address the route to the proxy leaves from (never 0.0.0.0 to dial)
@@ -311,7 +330,8 @@ async def serve(args: argparse.Namespace, preset: Preset) -> int:
             worker_id=args.worker_id, url=url, models=[model], engine="sim",
             kv_capacity_tokens=server.engine.kv.num_blocks * server.engine.kv.block_size,
             max_model_len=server.engine.max_model_len, labels={"preset": preset.name})
-        reporter = ProxyReporter(args.proxy_url, registration, server.load_reading, token=args.proxy_token)
+        reporter = ProxyReporter(args.proxy_url, registration, server.load_reading, token=args.proxy_token,
+                                 kv_events=server.kv_events.mirror)
         await reporter.start()
 
     await stop.wait()
@@ -325,6 +345,7 @@ async def serve(args: argparse.Namespace, preset: Preset) -> int:
         log.warning("drain grace over with %d requests in flight", server.in_flight)
     if reporter is not None:
         await reporter.stop()
+    await server.kv_events.stop()
     await runner.cleanup()
     return 0
 
@@ -334,6 +355,7 @@ def main(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         preset = build_preset(args)
+        kv_event_configs(args.kv_events_config)
     except ValueError as exc:
         print(f"kvroute worker: error: {exc}", file=sys.stderr)
         return 2
