@@ -61,7 +61,8 @@ class KvMirror:
     # --- the engine's side ----------------------------------------------------------------------
     def stored(self, hashes: Iterable[int], block_size: int | None = None) -> None:
         if block_size and self.block_size is None:
-            self.block_size = block_size
+            self.block_size = block_size  # learnt from the engine's first event: the proxy needs it to match
+            self._snapshot_due = True
         copies, before = self._copies, self._before
         for h in hashes:
             held = copies.get(h, 0)

@@ -164,7 +164,8 @@ class _EngineBlockGauges(Collector):
                                    "Blocks the worker's engine caches, as its KV events said", labels=["worker"])
         view = GaugeMetricFamily("kvroute:worker_kv_event_view",
                                  "1 for the state of the proxy's view of the engine's cache: exact (routing uses "
-                                 "it), incomplete (events were lost) or awaiting (a snapshot)", labels=["worker", "state"])
+                                 "it), incomplete (events were lost, or how the engine names blocks is not known yet) "
+                                 "or awaiting (a snapshot)", labels=["worker", "state"])
         resyncs = CounterMetricFamily("kvroute:worker_kv_event_resyncs",
                                       "Times the view was found stale (a lost batch, a restart) and a snapshot asked",
                                       labels=["worker"])

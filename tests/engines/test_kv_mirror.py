@@ -85,3 +85,11 @@ def test_more_pending_changes_than_fit_in_a_batch_become_a_snapshot():
     m.removed(range(0, MAX_PENDING + 10, 2))
     batch = m.take_batch(now=1.0)
     assert batch.snapshot and len(unpack_hashes(batch.stored)) == (MAX_PENDING + 10) // 2
+
+
+def test_the_block_size_learnt_from_the_first_event_goes_out_in_a_snapshot():
+    m = KvMirror("sha256_cbor", "vllm-none-hash")  # a vLLM worker: the block size comes with the events
+    assert m.take_batch(now=0.0).block_size is None
+    m.stored([1, 2], block_size=128)
+    batch = m.take_batch(now=1.0)
+    assert batch.snapshot and batch.block_size == 128 and set(unpack_hashes(batch.stored)) == {1, 2}
