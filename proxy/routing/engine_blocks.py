@@ -16,6 +16,7 @@ every few tens of seconds for replicas that lost a message on the way.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
@@ -69,12 +70,13 @@ class EngineBlocks:
 
     def __init__(self) -> None:
         self._views: dict[str, EngineView] = {}
-        # block hash -> the worker holding it (its id, the common case) or the set of workers holding it
-        self._holders: dict[int, str | set[str]] = {}
+        # block hash -> its holder, when one worker holds it (most blocks: C-level bulk updates), else -> holders
+        self._single: dict[int, str] = {}
+        self._shared: dict[int, set[str]] = {}
         self._by_scheme: dict[HashScheme, frozenset[str]] | None = {}  # exact views by scheme; None: recompute
 
     def __len__(self) -> int:
-        return len(self._holders)
+        return len(self._single) + len(self._shared)
 
     # --- feeding ------------------------------------------------------------------------------
     def on_registry_event(self, kind: str, worker: Worker, detail: Any) -> None:
@@ -111,8 +113,9 @@ class EngineBlocks:
 
     def _apply(self, view: EngineView, batch: KvEventBatch, report: LoadReport) -> None:
         if batch.snapshot:
-            stored = unpack_hashes(batch.stored)
-            self._clear(view)
+            stored = set(unpack_hashes(batch.stored))
+            if not view.synced:
+                self._clear(view)
             if batch.block_size is not None:
                 view.scheme = HashScheme(batch.block_size, batch.hash_algo or "", batch.hash_seed or "")
             view.capacity_blocks = batch.capacity_blocks or (
@@ -120,6 +123,8 @@ class EngineBlocks:
                 else None)
             if len(stored) > view.max_blocks:
                 raise ValueError(f"a snapshot of {len(stored)} blocks, over {view.max_blocks}")
+            # a view in step differs from the snapshot in a few blocks at most: apply the difference
+            self._remove(view, view.blocks - stored)
             self._add(view, stored)
             view.synced = True
         elif not view.synced:
@@ -155,35 +160,43 @@ class EngineBlocks:
         self._by_scheme = None
 
     def _add(self, view: EngineView, hashes: Iterable[int]) -> None:
-        holders, blocks, wid = self._holders, view.blocks, view.worker_id
-        for h in hashes:
-            if h in blocks:
-                continue
-            blocks.add(h)
-            held = holders.get(h)
-            if held is None:
-                holders[h] = wid
-            elif isinstance(held, str):
-                holders[h] = {held, wid}
-            else:
-                held.add(wid)
+        # set and dict operations in C for the blocks one worker holds alone; a Python loop only for shared ones
+        new = set(hashes)
+        new -= view.blocks
+        if not new:
+            return
+        view.blocks |= new
+        single, shared, wid = self._single, self._shared, view.worker_id
+        in_shared = new & shared.keys()
+        in_single = new & single.keys()
+        for h in in_shared:
+            shared[h].add(wid)
+        for h in in_single:
+            shared[h] = {single.pop(h), wid}
+        if in_shared or in_single:
+            new -= in_shared
+            new -= in_single
+        single.update(dict.fromkeys(new, wid))
 
     def _remove(self, view: EngineView, hashes: Iterable[int]) -> None:
-        holders, blocks, wid = self._holders, view.blocks, view.worker_id
-        for h in hashes:
-            if h not in blocks:
-                continue
-            blocks.discard(h)
-            held = holders[h]
-            if isinstance(held, str):
-                del holders[h]
-            else:
-                held.discard(wid)
-                if len(held) == 1:
-                    holders[h] = next(iter(held))
+        gone = view.blocks.intersection(hashes)
+        if not gone:
+            return
+        view.blocks -= gone
+        single, shared, wid = self._single, self._shared, view.worker_id
+        in_shared = gone & shared.keys()
+        for h in in_shared:
+            holders = shared[h]
+            holders.discard(wid)
+            if len(holders) == 1:
+                single[h] = holders.pop()
+                del shared[h]
+        if in_shared:
+            gone -= in_shared
+        deque(map(single.pop, gone), maxlen=0)
 
     def _clear(self, view: EngineView) -> None:
-        self._remove(view, list(view.blocks))
+        self._remove(view, view.blocks.copy())
 
     # --- questions ----------------------------------------------------------------------------
     def view(self, worker_id: str) -> EngineView | None:
@@ -211,8 +224,8 @@ class EngineBlocks:
         depth: dict[str, int] = {}
         if not hashes:
             return depth
-        holders = self._holders
-        held = holders.get(hashes[0])
+        single, shared = self._single, self._shared
+        held: str | set[str] | None = single.get(hashes[0]) or shared.get(hashes[0])
         if held is None:
             return depth
         current = {held} if isinstance(held, str) else set(held)
@@ -222,7 +235,8 @@ class EngineBlocks:
         i = 1
         n = len(hashes)
         while current and i < n:
-            held = holders.get(hashes[i])
+            h = hashes[i]
+            held = single.get(h) or shared.get(h)
             if held is None:
                 break
             if held is not last and held != last:  # the same holders as the block before: nothing changes
@@ -246,6 +260,6 @@ class EngineBlocks:
     def stats(self) -> dict[str, Any]:
         """For /metrics and tests: blocks indexed, views by state."""
         views = self._views.values()
-        return {"blocks": len(self._holders), "views": len(self._views),
+        return {"blocks": len(self), "views": len(self._views),
                 "exact": sum(1 for v in views if v.exact), "awaiting": sum(1 for v in views if not v.synced),
                 "resyncs": sum(v.resyncs for v in views)}
