@@ -85,7 +85,9 @@ class VllmAdapter:
             cmd += ["--enable-server-load-tracking"]  # GET /load: in-flight HTTP requests, for drain
         if launch.kv_events is not None:
             # kv_event_scheme() said these are safe to add: the engine publishes its cache, hashed as pinned
-            cmd += ["--enable-prefix-caching", "--kv-events-config", json.dumps(launch.kv_events)]
+            cmd += ["--kv-events-config", json.dumps(launch.kv_events)]
+            if not launch.has_arg("--enable-prefix-caching"):
+                cmd += ["--enable-prefix-caching"]
             if not launch.has_arg("--prefix-caching-hash-algo"):
                 cmd += ["--prefix-caching-hash-algo", DEFAULT_ALGO]
         return cmd + list(launch.engine_args)

@@ -69,7 +69,8 @@ class CachedPrefix:
         """`request` was sent to `worker_id`: both indexes learn it."""
         if request.prefix_hashes:
             self.approximate.insert(request.prefix_hashes, worker_id, now, request.prefix_tokens)
-            self.recent.insert(request.prefix_hashes, worker_id, now, request.prefix_tokens)
+            if request.token_ids is not None and self.exact.exact_by_scheme():  # only exact views read it
+                self.recent.insert(request.prefix_hashes, worker_id, now, request.prefix_tokens)
 
     def block_hashes(self, request: RoutedRequest, scheme: HashScheme) -> Sequence[int]:
         """The request's blocks as an engine with `scheme` names them (the last request's are kept: a decision
