@@ -78,12 +78,14 @@ def binds(endpoint: str) -> bool:
 
 
 class _Chain:
-    """One request's blocks as vLLM names them: full digests (for chaining) and event hashes."""
+    """One request's blocks as vLLM names them: its token ids as /tokenize shows them and the blocks' full
+    digests (for chaining), both extended as the request's blocks are cached."""
 
-    __slots__ = ("request", "digests")
+    __slots__ = ("request", "public", "digests")
 
     def __init__(self, request: SimRequest) -> None:
         self.request = request
+        self.public: list[int] = []
         self.digests: list[bytes] = []
 
 
@@ -144,7 +146,7 @@ class SimKvPublisher:
         event = event_hash(digests[index])
         self._event_of[block_hash] = event
         size = self.scheme.block_size
-        tokens = public_token_ids(chain.request.token_ids[index * size:(index + 1) * size])
+        tokens = chain.public[index * size:(index + 1) * size]
         extra = self._extra_keys(chain.request, index)
         parent = event_hash(digests[index - 1]) if index else None
         last = self._pending[-1] if self._pending else None
@@ -183,9 +185,13 @@ class SimKvPublisher:
 
     def _extend(self, chain: _Chain, blocks: int) -> list[bytes]:
         if len(chain.digests) < blocks:
+            # every block the request has computed: kvcache caches a step's new blocks one call each
             request, size = chain.request, self.scheme.block_size
-            tokens = public_token_ids(request.token_ids[:blocks * size])
-            block_digests(self.scheme, tokens, self._media(request), max_blocks=blocks, known=chain.digests)
+            blocks = max(blocks, request.num_computed_tokens // size)
+            public = chain.public
+            if len(public) < blocks * size:
+                public.extend(public_token_ids(request.token_ids[len(public):blocks * size]))
+            block_digests(self.scheme, public, self._media(request), max_blocks=blocks, known=chain.digests)
         return chain.digests
 
     @staticmethod
