@@ -28,8 +28,8 @@ from proxy.routing.block_hash import HashScheme
 log = logging.getLogger("kvroute.engine_blocks")
 
 # No worker's view grows past this many blocks, whatever its engine says it holds: ~16M prompt tokens at vLLM's
-# GPU block size of 16, about 100 MB of proxy memory (a block costs ~50 bytes in its worker's set and ~70 in
-# the shared index; measured in docs/design/kv-events.md).
+# GPU block size of 16, ~130 MB of proxy memory (a block held costs ~130 bytes: the int, its place in the
+# worker's set and in the index; measured with tracemalloc, docs/design/kv-events.md).
 MAX_WORKER_BLOCKS = 1 << 20
 # Batches are netted by the worker, so a view never exceeds the engine's capacity; this slack covers a
 # capacity that changed between snapshots.
