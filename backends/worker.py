@@ -194,7 +194,8 @@ class Supervisor:
 
     async def _start_engine(self) -> None:
         env = self.adapter.environment(self.launch, os.environ)
-        scheme = None if self.args.no_kv_events else self.adapter.kv_event_scheme(self.launch, env)
+        forward = self.args.proxy_url and not self.args.no_kv_events
+        scheme = self.adapter.kv_event_scheme(self.launch, env) if forward else None
         if scheme is not None:  # subscribed before the engine starts: it publishes from its first request
             self.kv_feed = EngineKvFeed(*scheme)
             await self.kv_feed.start()
