@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-grace-s", type=float, default=30.0,
                    help="on SIGTERM, how long to wait for in-flight requests before stopping")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--no-kv-events", action="store_true",
+                   help="do not forward the engine's KV-cache events to the proxy (it then infers what each engine "
+                        "caches from what it routed there)")
 
     pd = p.add_argument_group("disaggregated serving (docs/design/disaggregation.md)")
     pd.add_argument("--role", default="both", choices=["both", "prefill", "decode", "encode"],
@@ -66,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sim.add_argument("--crash-after", type=int, default=None, help="exit abruptly after N requests")
     sim.add_argument("--stall-after", type=int, default=None, help="stop producing tokens after N requests")
     sim.add_argument("--slow-start", type=float, default=0.0, help="seconds before the server starts listening")
+    sim.add_argument("--kv-events-config", default=None,
+                     help="also publish the KV-cache events where vLLM's flag of this name would (JSON, e.g. "
+                          "'{\"endpoint\": \"tcp://*:5557\", \"topic\": \"kv-events\"}'), for vllm-router's kv_aware policy")
 
     eng = p.add_argument_group("vllm / turbomind engines")
     eng.add_argument("--model", default=None, help="checkpoint path")

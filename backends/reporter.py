@@ -13,9 +13,11 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 
+from proxy.kvevents import KvEventBatch
 from proxy.protocol import REPORT_INTERVAL_MAX_S, WORKER_SECRET_HEADER, LoadReport, WorkerRegistration
 from proxy.security.redact import redact_text
 
@@ -39,6 +41,15 @@ class Load:
 
 
 LoadSource = Callable[[], Awaitable[Load]]
+
+
+class KvBatchSource(Protocol):
+    """Where a report's KV-event batch comes from (backends/kv_mirror.py's KvMirror)."""
+
+    def take_batch(self) -> KvEventBatch | None: ...
+
+    def resync(self) -> None:
+        """The next batch must be a snapshot (the proxy asked, or a batch may have been lost)."""
 
 # The fastest report cadence a proxy can ask for.
 MIN_INTERVAL_S = 0.01
@@ -70,7 +81,8 @@ class ProxyReporter:
     """
 
     def __init__(self, proxy_url: str | Sequence[str], registration: WorkerRegistration, load_source: LoadSource,
-                 token: str | None = None, interval_s: float = REPORT_INTERVAL_MAX_S) -> None:
+                 token: str | None = None, interval_s: float = REPORT_INTERVAL_MAX_S,
+                 kv_events: KvBatchSource | None = None) -> None:
         # Several proxies (replicas sharing Redis): talk to one, move to the next when it stops answering.
         self.proxy_urls = parse_proxy_urls(proxy_url)
         if not self.proxy_urls:
@@ -80,6 +92,7 @@ class ProxyReporter:
             registration = registration.model_copy(update={"boot_id": uuid.uuid4().hex})
         self.registration = registration
         self.load_source = load_source
+        self.kv_events = kv_events  # the engine's cache changes ride in the reports (docs/design/kv-events.md)
         # the proxy says how often it wants reports (its answers to registration and to each report, scaled to
         # the fleet's size); `interval_s` is the slowest this worker reports whatever it says
         self.max_interval_s = self.interval_s = interval_s
@@ -113,6 +126,8 @@ class ProxyReporter:
                         self._secret = body.get("worker_secret") or None
                         self._seq = 0  # a new registration starts a new sequence
                         self._adopt_interval(body)
+                        if self.kv_events is not None:
+                            self.kv_events.resync()  # this proxy (or a restarted one) may know nothing yet
                         log.info("registered with %s as %s", redact_text(self.proxy_url), self.worker_id)
                         self.registered.set()
                         return
@@ -141,6 +156,7 @@ class ProxyReporter:
         assert self._session is not None and self.worker_id is not None
         load = await self.load_source()
         self._seq += 1
+        batch = self.kv_events.take_batch() if self.kv_events is not None else None
         report = LoadReport(
             worker_id=self.worker_id, url=self.registration.url, models=self.registration.models,
             engine=self.registration.engine, state=self.state,  # type: ignore[arg-type]
@@ -150,18 +166,25 @@ class ProxyReporter:
             prefix_cache_hit_rate=min(max(load.prefix_cache_hit_rate, 0.0), 1.0),
             prefill_tokens_per_s=load.prefill_tokens_per_s or None, decode_step_s=load.decode_step_s or None,
             max_num_batched_tokens=load.max_num_batched_tokens or None,
-            seq=self._seq, sent_at=time.time(), boot_id=self.registration.boot_id,
+            seq=self._seq, sent_at=time.time(), boot_id=self.registration.boot_id, kv_events=batch,
         )
-        async with self._session.post(f"{self.proxy_url}/workers/{self.worker_id}/report",
-                                      data=report.model_dump_json(),
-                                      headers={"Content-Type": "application/json", **self._own_headers()},
-                                      timeout=REPORT_TIMEOUT) as resp:
-            if resp.status == 404:
-                return False
-            if resp.status >= 400:
-                log.warning("report rejected (%s): %s", resp.status, (await resp.text())[:200])
-            elif resp.content_type == "application/json":
-                self._adopt_interval(await resp.json())
+        resync = batch is not None  # until the proxy's answer shows it took the batch
+        try:
+            async with self._session.post(f"{self.proxy_url}/workers/{self.worker_id}/report",
+                                          data=report.model_dump_json(exclude_none=True),
+                                          headers={"Content-Type": "application/json", **self._own_headers()},
+                                          timeout=REPORT_TIMEOUT) as resp:
+                if resp.status == 404:
+                    return False
+                if resp.status >= 400:
+                    log.warning("report rejected (%s): %s", resp.status, (await resp.text())[:200])
+                elif resp.content_type == "application/json":
+                    body = await resp.json()
+                    self._adopt_interval(body)
+                    resync = isinstance(body, dict) and bool(body.get("kv_resync"))
+        finally:
+            if resync and self.kv_events is not None:
+                self.kv_events.resync()  # lost, refused, or the proxy's view is stale: everything next time
         return True
 
     def _adopt_interval(self, body: object) -> None:

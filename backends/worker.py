@@ -34,6 +34,7 @@ import aiohttp
 from backends.address import advertise_url
 from backends.engines.base import EngineAdapter, EngineLaunch
 from backends.engines.guard import ENGINE_PID_LINE, set_parent_death_signal
+from backends.kv_subscriber import EngineKvFeed
 from backends.reporter import Load, ProxyReporter, parse_proxy_urls
 from backends.roles import role_labels, transfer_flag
 from proxy.protocol import WorkerRegistration
@@ -156,6 +157,7 @@ class Supervisor:
         self.stop_requested = asyncio.Event()
         self.last_load = Load(0.0, 0, 0)
         self.api_key: str | None = None  # the engine's own key, chosen at start
+        self.kv_feed: EngineKvFeed | None = None  # the engine's KV events, forwarded in the reports
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -187,6 +189,8 @@ class Supervisor:
             return 1
         finally:
             await self._stop_engine()
+            if self.kv_feed is not None:
+                await self.kv_feed.stop()
             if self.reporter:
                 # A failed worker stays listed (as failed) until the proxy ages it out; a drained one leaves.
                 await self.reporter.stop(deregister=not self.reporter.state == "failed")
@@ -194,8 +198,14 @@ class Supervisor:
                 await self.session.close()
 
     async def _start_engine(self) -> None:
-        cmd = self.adapter.command(self.launch)
         env = self.adapter.environment(self.launch, os.environ)
+        forward = self.args.proxy_url and not self.args.no_kv_events
+        scheme = self.adapter.kv_event_scheme(self.launch, env) if forward else None
+        if scheme is not None:  # subscribed before the engine starts: it publishes from its first request
+            self.kv_feed = EngineKvFeed(*scheme)
+            await self.kv_feed.start()
+            self.launch.kv_events = self.kv_feed.engine_config()
+        cmd = self.adapter.command(self.launch)
         self.api_key, extra_args, extra_env = engine_api_key(self.adapter.family, list(self.launch.engine_args), env)
         cmd, env = cmd + extra_args, {**env, **extra_env}
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5, connect=2),
@@ -250,6 +260,8 @@ class Supervisor:
         assert self.session
         try:
             self.last_load = await self.adapter.read_load(self.session, self.local_url)
+            if self.kv_feed is not None:
+                self.kv_feed.capacity_from(self.last_load.kv_capacity_tokens)
         except (TimeoutError, aiohttp.ClientError):
             if self.proc is None or self.proc.returncode is None:
                 raise
@@ -270,7 +282,8 @@ class Supervisor:
                     **role_labels(self.launch.kv_transfer)},
             api_key=self.api_key, role=self.launch.role,  # type: ignore[arg-type]  # cmd_worker's choices
         )
-        self.reporter = ProxyReporter(self.args.proxy_url, registration, self.read_load, token=self.args.proxy_token)
+        self.reporter = ProxyReporter(self.args.proxy_url, registration, self.read_load, token=self.args.proxy_token,
+                                      kv_events=self.kv_feed.mirror if self.kv_feed is not None else None)
         await self.reporter.start()
 
     async def _max_model_len(self) -> int | None:

@@ -102,10 +102,12 @@ def build_app(config: FleetConfig, *, policy: str | None = None) -> web.Applicat
     proxy_cfg = config.proxy
     registry = Registry()
     deps = PolicyDeps(prefix_index=PrefixIndex())
+    registry.add_listener(deps.engine_blocks.on_registry_event)  # the engines' KV events ride in their reports
     live = LiveConfig(config, PolicySet(config, policy or proxy_cfg.policy, deps))
     routing = RoutingService(live, registry)
     upstream = Upstream(proxy_cfg.timeouts)
     metrics = ProxyMetrics(registry)
+    metrics.watch_engine_blocks(deps.engine_blocks)
     monitor = HealthMonitor(registry, upstream)
     client_auth = ClientAuth.from_config(config)  # raises ValueError for an unreadable key file
 

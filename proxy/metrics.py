@@ -10,10 +10,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from proxy.registry import Registry, Worker, WorkerState
+from proxy.routing.engine_blocks import EngineBlocks
 
 # Distinct requested model names (served, aliases, typos) that get their own metrics label.
 MAX_MODEL_LABELS = 64
@@ -88,6 +89,10 @@ class ProxyMetrics:
         registry.add_listener(self._on_registry_change)
 
 
+    def watch_engine_blocks(self, engine_blocks: EngineBlocks) -> None:
+        """Export what the engines' KV events told the proxy (per worker, read at scrape time)."""
+        self.collector_registry.register(_EngineBlockGauges(engine_blocks))
+
     def model_label(self, name: str) -> str:
         """A requested model `name` as a label while few distinct names were seen, then "other": each
         label value lives in /metrics for good, and clients choose these names."""
@@ -149,3 +154,28 @@ class _WorkerGauges(Collector):
                 state.add_metric([wid, s.value], 1.0 if s is current else 0.0)
             role.add_metric([wid, worker.role], 1.0)
         yield from (in_flight, kv, projected, waiting, running, state, role)
+
+
+class _EngineBlockGauges(Collector):
+    """Each reporting engine's prefix cache as its KV events describe it (proxy/routing/engine_blocks.py)."""
+
+    def __init__(self, engine_blocks: EngineBlocks) -> None:
+        self.engine_blocks = engine_blocks
+
+    def collect(self) -> Iterator[Metric]:
+        blocks = GaugeMetricFamily("kvroute:worker_kv_event_blocks",
+                                   "Blocks the worker's engine caches, as its KV events said", labels=["worker"])
+        view = GaugeMetricFamily("kvroute:worker_kv_event_view",
+                                 "1 for the state of the proxy's view of the engine's cache: exact (routing uses "
+                                 "it), incomplete (events were lost, or how the engine names blocks is not known yet) "
+                                 "or awaiting (a snapshot)", labels=["worker", "state"])
+        resyncs = CounterMetricFamily("kvroute:worker_kv_event_resyncs",
+                                      "Times the view was found stale (a lost batch, a restart) and a snapshot asked",
+                                      labels=["worker"])
+        for v in self.engine_blocks.views():
+            blocks.add_metric([v.worker_id], len(v.blocks))
+            current = "exact" if v.exact else "awaiting" if not v.synced else "incomplete"
+            for state in ("exact", "incomplete", "awaiting"):
+                view.add_metric([v.worker_id, state], 1.0 if state == current else 0.0)
+            resyncs.add_metric([v.worker_id], v.resyncs)
+        yield from (blocks, view, resyncs)

@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from proxy.kvevents import KvEventBatch
+
 # Engines a worker may say it runs. "pytorch" is LMDeploy's PyTorch engine, which
 # LMDeploy falls back to when TurboMind lacks the model (Qwen3-VL as of 0.18).
 EngineName = Literal["vllm", "turbomind", "pytorch", "sim", "unknown"]
@@ -77,6 +79,7 @@ class ReportAccepted(BaseModel):
 
     ok: bool = True
     report_interval_s: float = REPORT_INTERVAL_MAX_S
+    kv_resync: bool = False  # the proxy's view of this worker's engine blocks is stale: send a snapshot next
 
 
 class LoadReport(BaseModel):
@@ -104,4 +107,6 @@ class LoadReport(BaseModel):
     max_num_batched_tokens: int | None = Field(None, ge=1)
     seq: int = Field(..., ge=0, description="monotonic per worker; older reports are ignored")
     boot_id: str | None = Field(None, max_length=64, description="the registration's boot_id; seq counts within it")
+    # the engine's prefix-cache changes since the last report (workers whose engine publishes KV events)
+    kv_events: KvEventBatch | None = None
     sent_at: float = Field(default_factory=time.time, description="unix seconds at the worker")

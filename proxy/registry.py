@@ -114,6 +114,7 @@ class Worker:
         self.last_error: str | None = None
         self.secret_hash: str | None = None  # sha256 of the secret its registrant got (proxy/security)
         self.api_key: str | None = None  # sent upstream as Authorization: Bearer, when the engine wants one
+        self.kv_resync = False  # its engine's KV-event view needs a snapshot (proxy/routing/engine_blocks.py sets it)
 
     def replaceable(self, now: float) -> bool:
         """Another registrant may take this worker's id or URL: it has shown no sign of life (report or
@@ -149,7 +150,7 @@ class Worker:
             "projected_kv_usage": round(load.projected_kv_usage(now), 4), "queue_depth": load.queue_depth(now),
             "prefill_backlog_tokens": load.prefill_backlog, "step_tokens": load.step_tokens,
             "reading_source": load.reading_source, "reading_age_s": age,
-            "last_report": self.last_report.model_dump(mode="json") if self.last_report else None,
+            "last_report": self.last_report.model_dump(mode="json", exclude={"kv_events"}) if self.last_report else None,
             "breaker_open": self.breaker.is_open(now), "stalled": self.stalled_at is not None,
             "last_error": self.last_error,
             "registered_at": self.registered_at, "labels": self.labels,

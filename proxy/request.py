@@ -11,7 +11,7 @@ import binascii
 import hashlib
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +133,10 @@ class RoutedRequest:
     session_key: str | None = None
     media_count: int = 0
     media_tokens: int = 0  # of prompt_tokens, the image/video tokens (priced with the vision encoder)
+    # The prompt as the engine tokenizes it, when the proxy knows it: token ids and each media item's
+    # (identifier, offset, length); routing hashes the engine's KV blocks from them (routing/cached_prefix.py)
+    token_ids: Sequence[int] | None = None
+    media_spans: Sequence[tuple[str, int, int]] = ()
 
     @property
     def expected_kv_tokens(self) -> int:

@@ -32,6 +32,8 @@ class EngineLaunch:
     kv_transfer: dict[str, Any] | None = None
     ec_transfer: dict[str, Any] | None = None
     advertise_host: str | None = None  # the host the proxy and other workers reach this one at
+    # where the engine publishes its KV-cache events (vLLM's --kv-events-config), when the worker forwards them
+    kv_events: dict[str, Any] | None = None
 
     def has_arg(self, *names: str) -> bool:
         """True when the user already passed one of these flags (as `--flag v` or `--flag=v`)."""
@@ -66,6 +68,10 @@ class EngineAdapter(Protocol):
 
     def observe_log_line(self, line: str) -> None:
         """Called with every line the engine prints (e.g. to learn which backend really runs)."""
+
+    def kv_event_scheme(self, launch: EngineLaunch, env: Mapping[str, str]) -> tuple[str, str] | None:
+        """(hash algorithm, NONE_HASH seed) the engine will name its KV blocks by when it publishes KV events
+        that a proxy can follow; None when it will not (no events, or hashes the proxy cannot recompute)."""
 
     @property
     def running_engine(self) -> str:

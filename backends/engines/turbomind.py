@@ -79,6 +79,9 @@ class TurbomindAdapter:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(launch.gpus)
         return env
 
+    def kv_event_scheme(self, launch: EngineLaunch, env: Mapping[str, str]) -> tuple[str, str] | None:
+        return None  # LMDeploy publishes no KV events: the proxy's approximate index serves its workers
+
     def observe_log_line(self, line: str) -> None:
         if FALLBACK_MARKER in line:
             self._engine = "pytorch"

@@ -17,6 +17,7 @@ Owns vLLM specifics only; the supervisor (backends/worker.py) runs the process.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import sys
 from collections.abc import Mapping
@@ -29,6 +30,9 @@ from backends.engines.vllm_speed import METRIC_NAMES as SPEED_METRIC_NAMES
 from backends.engines.vllm_speed import VllmSpeed
 from backends.reporter import Load
 from proxy import promtext
+from proxy.routing.block_hash import DEFAULT_ALGO, DEFAULT_SEED, HASH_FUNCTIONS
+
+log = logging.getLogger("kvroute.engines.vllm")
 
 KV_USAGE = "vllm:kv_cache_usage_perc"
 RUNNING = "vllm:num_requests_running"
@@ -110,7 +114,34 @@ class VllmAdapter:
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(launch.kv_transfer, launch.device))]
         if launch.ec_transfer and not launch.has_arg("--ec-transfer-config"):
             cmd += ["--ec-transfer-config", json.dumps(ec_transfer_config(launch.ec_transfer, launch.role))]
+        if launch.kv_events is not None:
+            # kv_event_scheme() said these are safe to add: the engine publishes its cache, hashed as pinned
+            cmd += ["--kv-events-config", json.dumps(launch.kv_events)]
+            if not launch.has_arg("--enable-prefix-caching"):
+                cmd += ["--enable-prefix-caching"]
+            if not launch.has_arg("--prefix-caching-hash-algo"):
+                cmd += ["--prefix-caching-hash-algo", DEFAULT_ALGO]
         return cmd + list(launch.engine_args)
+
+    def kv_event_scheme(self, launch: EngineLaunch, env: Mapping[str, str]) -> tuple[str, str] | None:
+        """(algorithm, seed) when the worker can forward this engine's KV events; None (and why, logged) if not.
+
+        The seed: vLLM derives NONE_HASH from PYTHONHASHSEED when it is set, else (for SHA-256) from its fixed
+        default. The algorithm: kvroute pins sha256_cbor unless the engine args choose one the proxy can also
+        compute. An operator's own --kv-events-config is left alone (kvroute does not know where it reads)."""
+        if launch.has_arg("--kv-events-config", "--no-enable-prefix-caching"):
+            log.info("KV events not forwarded: the engine args set --kv-events-config or disable prefix caching")
+            return None
+        for flag in ("--data-parallel-size", "-dp"):
+            if (launch.int_arg(flag) or 1) > 1:
+                # vLLM offsets each rank's endpoint by port; a private ipc:// endpoint has no port to offset
+                log.info("KV events not forwarded: data-parallel ranks each publish on their own tcp port")
+                return None
+        algo = launch.arg_value("--prefix-caching-hash-algo") or DEFAULT_ALGO
+        if algo not in HASH_FUNCTIONS:
+            log.info("KV events not forwarded: the proxy cannot compute --prefix-caching-hash-algo %s", algo)
+            return None
+        return algo, env.get("PYTHONHASHSEED") or DEFAULT_SEED
 
     def environment(self, launch: EngineLaunch, base: Mapping[str, str]) -> dict[str, str]:
         env = dict(base)

@@ -9,6 +9,20 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Sequence
+from typing import Protocol
+
+
+class CacheListener(Protocol):
+    """Told of every change to the prefix cache (backends/sim/kv_publisher.py publishes them as vLLM's KV events)."""
+
+    def cached(self, request_id: str, index: int, block_hash: int) -> None:
+        """Block `index` of the request's table entered the cache under `block_hash`."""
+
+    def evicted(self, block_hash: int) -> None:
+        """A cached block was reused for other content."""
+
+    def reset(self) -> None:
+        """Every cached block nobody holds was dropped."""
 
 
 class Block:
@@ -74,6 +88,7 @@ class KVCache:
         # (True, hash) when a block hash enters the prefix cache, (False, hash) when it leaves; kept only while
         # someone reads it (backends/sim/feed.py), None otherwise
         self.journal: list[tuple[bool, int]] | None = None
+        self.listener: CacheListener | None = None
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -161,6 +176,8 @@ class KVCache:
                     del self._cached[block.block_hash]
                     if self.journal is not None:
                         self.journal.append((False, block.block_hash))
+                    if self.listener is not None:
+                        self.listener.evicted(block.block_hash)
                 block.block_hash = None
                 self.evictions += 1
             block.ref_cnt = 1
@@ -186,6 +203,8 @@ class KVCache:
                 self._cached[parent] = block
                 if self.journal is not None:
                     self.journal.append((True, parent))
+                if self.listener is not None:
+                    self.listener.cached(request_id, i, parent)
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks; the tail goes to the free list first so it is evicted first."""
@@ -197,11 +216,21 @@ class KVCache:
                 self._free[block.block_id] = block
 
     def reset_prefix_cache(self) -> None:
+        """Drop every cached block nobody holds (vLLM's reset_prefix_cache, which refuses while any is held)."""
+        dropped: list[int] = []
         for block in self._free.values():
             if block.block_hash is not None:
-                if self._cached.pop(block.block_hash, None) is not None and self.journal is not None:
-                    self.journal.append((False, block.block_hash))
+                if self._cached.pop(block.block_hash, None) is not None:
+                    dropped.append(block.block_hash)
+                    if self.journal is not None:
+                        self.journal.append((False, block.block_hash))
                 block.block_hash = None
+        if self.listener is not None:
+            if not self._cached:
+                self.listener.reset()  # all gone: vLLM says so with one AllBlocksCleared
+            else:
+                for block_hash in dropped:
+                    self.listener.evicted(block_hash)
 
     def check_invariants(self) -> None:
         """Raise AssertionError when the bookkeeping is inconsistent (used by tests)."""

@@ -36,6 +36,7 @@ from backends.roles import role_labels, transfer_flag
 from backends.sim.encoder import EncoderCounters, EncoderOutputs, SimEncoder
 from backends.sim.engine import SimEngine
 from backends.sim.feed import StateFeed
+from backends.sim.kv_publisher import SimKvEvents, add_kv_event_routes, kv_event_configs
 from backends.sim.metrics import CONTENT_TYPE, SimMetrics
 from backends.sim.openai_api import (
     ApiError,
@@ -92,6 +93,7 @@ class SimServer:
         self.in_flight = 0
         self.requests_received = 0
         self.feed = StateFeed(self.engine, served_model_name, preset.name)
+        self.kv_events: SimKvEvents | None = None  # set by serve(): the publisher of vLLM-format KV events
         self.idle = asyncio.Event()
         self.idle.set()
         self._rng = random.Random(seed)
@@ -135,6 +137,7 @@ class SimServer:
         for side in (self.holder, self.encoder):
             if side is not None:
                 side.add_routes(app)
+        add_kv_event_routes(app, self.engine, lambda: self.kv_events)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -391,6 +394,9 @@ async def serve(args: argparse.Namespace, preset: Preset) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    server.kv_events = SimKvEvents(server.engine, forward=bool(args.proxy_url) and not args.no_kv_events,
+                                   configs=kv_event_configs(args.kv_events_config))
+    await server.kv_events.start()
     reporter = None
     if args.proxy_url:
         # bound to 0.0.0.0: the address the route to the proxy leaves from (never 0.0.0.0 to dial)
@@ -403,7 +409,8 @@ async def serve(args: argparse.Namespace, preset: Preset) -> int:
             kv_capacity_tokens=server.engine.kv.num_blocks * server.engine.kv.block_size,
             max_model_len=server.engine.max_model_len, labels={"preset": preset.name, **role_labels(kv_transfer)},
             role=args.role)
-        reporter = ProxyReporter(args.proxy_url, registration, server.load_reading, token=args.proxy_token)
+        reporter = ProxyReporter(args.proxy_url, registration, server.load_reading, token=args.proxy_token,
+                                 kv_events=server.kv_events.mirror)
         await reporter.start()
 
     await stop.wait()
@@ -417,6 +424,7 @@ async def serve(args: argparse.Namespace, preset: Preset) -> int:
         log.warning("drain grace over with %d requests in flight", server.in_flight)
     if reporter is not None:
         await reporter.stop()
+    await server.kv_events.stop()
     await runner.cleanup()
     return 0
 
@@ -426,6 +434,7 @@ def main(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         preset = build_preset(args)
+        kv_event_configs(args.kv_events_config)
     except ValueError as exc:
         print(f"kvroute worker: error: {exc}", file=sys.stderr)
         return 2

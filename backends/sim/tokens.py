@@ -32,6 +32,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.routing.media_ids import media_uuid
+
 IM_START, IM_END = 151644, 151645
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 151652, 151653, 151655, 151656
 MEDIA_ID_BASE = 1 << 40  # media placeholder ids live above every text id
@@ -69,6 +71,7 @@ class Prompt:
     token_ids: list[int]
     media_spans: list[tuple[int, int]] = field(default_factory=list)  # (start, length) of media tokens
     media_keys: list[int] = field(default_factory=list)  # each span's content hash (the encoder cache's key)
+    media_ids: list[str] = field(default_factory=list)  # each span's identifier (the part's uuid, else its hash)
     continues: bool = False  # ends inside an open assistant message: the output goes on from its text
 
     @property
@@ -183,7 +186,8 @@ def media_hash(key: int) -> str:
     return f"{key:010x}"
 
 
-def _append_content(content: Any, ids: list[int], spans: list[tuple[int, int]], keys: list[int]) -> None:
+def _append_content(content: Any, ids: list[int], spans: list[tuple[int, int]], keys: list[int],
+                    names: list[str]) -> None:
     if content is None:
         return
     if isinstance(content, str):
@@ -196,10 +200,13 @@ def _append_content(content: Any, ids: list[int], spans: list[tuple[int, int]], 
         if kind == "text":
             ids.extend(text_token_ids(str(part.get("text", ""))))
         elif kind in ("image_url", "video_url"):
-            count, key = (image_placeholder if kind == "image_url" else video_placeholder)(_part_url(part, kind))
+            url = _part_url(part, kind)
+            count, key = (image_placeholder if kind == "image_url" else video_placeholder)(url)
             ids.append(VISION_START)
             spans.append((len(ids), count))
             keys.append(key)
+            uuid = part.get("uuid")
+            names.append(uuid if isinstance(uuid, str) and uuid else media_uuid(url))
             ids.extend(_media_ids(count, key))
             ids.append(VISION_END)
         else:
@@ -215,19 +222,20 @@ def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool = Tr
     ids: list[int] = []
     spans: list[tuple[int, int]] = []
     keys: list[int] = []
+    names: list[str] = []
     newline = text_token_ids("\n")
     for i, message in enumerate(messages):
         ids.append(IM_START)
         ids.extend(text_token_ids(f"{message.get('role', 'user')}\n"))
-        _append_content(message.get("content"), ids, spans, keys)
+        _append_content(message.get("content"), ids, spans, keys, names)
         if continue_final_message and i == len(messages) - 1:
-            return Prompt(ids, spans, keys, continues=bool(message.get("content")))
+            return Prompt(ids, spans, keys, names, continues=bool(message.get("content")))
         ids.append(IM_END)
         ids.extend(newline)
     if add_generation_prompt:
         ids.append(IM_START)
         ids.extend(text_token_ids("assistant\n"))
-    return Prompt(ids, spans, keys)
+    return Prompt(ids, spans, keys, names)
 
 
 def completion_prompt(prompt: str | list[int]) -> Prompt:

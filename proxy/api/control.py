@@ -225,9 +225,10 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
         if load.worker_id != worker_id:
             return error_response(400, f"report for `{load.worker_id}` sent to /workers/{worker_id}/report",
                                   param="worker_id")
-        if not registry.record_report(worker_id, load):
+        if not registry.record_report(worker_id, load) or (worker := registry.get(worker_id)) is None:
             return _unknown(worker_id)
-        return _json(ReportAccepted(report_interval_s=_report_interval()).model_dump())
+        answer = ReportAccepted(report_interval_s=_report_interval(), kv_resync=worker.kv_resync)
+        return _json(answer.model_dump(exclude=None if worker.kv_resync else {"kv_resync"}))
 
     def _report_interval() -> float:
         return protocol.report_interval_for(len(registry))

@@ -54,5 +54,6 @@ def answer_report(registry: Registry, worker_id: str, authorization: bytes | Non
         return None
     if report.worker_id != worker_id or not registry.record_report(worker_id, report):
         return None  # record_report changes nothing when it answers False: the control plane says why
-    answer = orjson.dumps({"ok": True, "report_interval_s": protocol.report_interval_for(len(registry))})
+    answer = orjson.dumps({"ok": True, "report_interval_s": protocol.report_interval_for(len(registry)),
+                           **({"kv_resync": True} if worker.kv_resync else {})})
     return http.plain_response(200, answer, b"application/json", [], keep_alive)

@@ -17,7 +17,9 @@ from typing import ClassVar
 from proxy.config import FleetConfig
 from proxy.registry import Worker
 from proxy.request import RoutedRequest
+from proxy.routing.cached_prefix import CachedPrefix
 from proxy.routing.candidates import Candidates
+from proxy.routing.engine_blocks import EngineBlocks
 from proxy.routing.estimator import FleetEstimator
 from proxy.routing.prediction import KvCostPrediction
 from proxy.routing.prefix_index import PrefixIndex
@@ -57,11 +59,20 @@ class Decision:
 
 @dataclass
 class PolicyDeps:
-    """What policies may share: the prefix index, the learnt per-worker parameters, a random source."""
+    """What policies may share: the prefix indexes, the learnt per-worker parameters, a random source.
+
+    `cached_prefix` answers how much of a prompt each worker caches (the engines' own KV events where they
+    publish them, `prefix_index` elsewhere); `engine_blocks` is fed by the registry (app.py adds it as a listener).
+    """
 
     prefix_index: PrefixIndex = field(default_factory=PrefixIndex)
     rng: random.Random = field(default_factory=random.Random)
     estimator: FleetEstimator = field(default_factory=FleetEstimator)
+    engine_blocks: EngineBlocks = field(default_factory=EngineBlocks)
+    cached_prefix: CachedPrefix = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cached_prefix = CachedPrefix(self.prefix_index, self.engine_blocks)
 
     def configure(self, routing: RoutingConfig) -> None:
         """Take the fleet-wide knobs of a (new) config; what the index and the estimator hold is kept."""

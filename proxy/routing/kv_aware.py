@@ -86,11 +86,6 @@ def worker_cost_of(knobs: KvAwareConfig) -> WorkerCost:
     return worker_cost
 
 
-def cached_tokens(request: RoutedRequest, depth: int) -> int:
-    """Estimated prompt tokens covered by the first `depth` prefix blocks."""
-    return request.prefix_tokens[depth - 1] if depth > 0 else 0
-
-
 class KvAwarePolicy(Policy):
     name = "kv_aware"
     config: KvAwareConfig
@@ -104,10 +99,10 @@ class KvAwarePolicy(Policy):
             self.load_cost, self.worker_cost = load_cost_of(self.config), worker_cost_of(self.config)
 
     def select(self, candidates: Sequence[Worker], request: RoutedRequest, now: float) -> Decision:
-        depths: dict[str, int] = {}
+        cached_of: dict[str, int] = {}  # worker -> prompt tokens it caches
         if request.prefix_hashes and len(candidates) > 1:
             ids = {w.worker_id for w in candidates}
-            depths = self.deps.prefix_index.match(request.prefix_hashes, ids, now)
+            cached_of = self.deps.cached_prefix.match(request, ids, now)
         best: Worker | None = None
         best_key: tuple[float, int] = (float("inf"), 0)
         best_cached = 0
@@ -115,7 +110,7 @@ class KvAwarePolicy(Policy):
         scores: dict[str, float] = {}
         for worker in candidates:
             load = worker.load
-            cached = cached_tokens(request, depths.get(worker.worker_id, 0))
+            cached = cached_of.get(worker.worker_id, 0)
             cost = self.worker_cost(load, request, cached, now)
             scores[worker.worker_id] = cost
             key = (round(cost, 9), load.in_flight)
@@ -129,7 +124,7 @@ class KvAwarePolicy(Policy):
         assert best is not None
         if log.isEnabledFor(logging.DEBUG):
             log.debug("model=%s prompt_tokens=%d candidates=%s -> %s (cached %d tokens)", request.model,
-                      request.prompt_tokens, self._explain(candidates, scores, depths, request, now),
+                      request.prompt_tokens, self._explain(candidates, scores, cached_of, request, now),
                       best.worker_id, best_cached)
         prefill = max(0, request.prompt_tokens - best_cached)
         return Decision(best, "lowest_cost", prefill + request.expected_output_tokens, scores, prefill_tokens=prefill)
@@ -143,16 +138,15 @@ class KvAwarePolicy(Policy):
         excluded = candidates.excluded
         scores: dict[str, float] = {}
         # the workers the prefix index names: scored as select() scores them
-        depths: dict[str, int] = {}
+        cached_of: dict[str, int] = {}
         holders: list[tuple[Worker, int, tuple[float, int]]] = []  # (worker, cached tokens, cost key)
         if request.prefix_hashes:
-            depths = self.deps.prefix_index.match(request.prefix_hashes, None, now)
-            for wid, depth in depths.items():
+            cached_of = self.deps.cached_prefix.match(request, None, now)
+            for wid, cached in cached_of.items():
                 member = roster.member(wid)
                 if member is None or wid in excluded:
                     continue
                 load = member.load
-                cached = cached_tokens(request, depth)
                 cost = self.worker_cost(load, request, cached, now)
                 scores[wid] = cost
                 holders.append((member.worker, cached, (round(cost, 9), load.in_flight)))
@@ -164,7 +158,7 @@ class KvAwarePolicy(Policy):
             entry = entries[i]
             i += 1
             wid = entry[3].worker.worker_id
-            if wid not in depths and wid not in excluded:
+            if wid not in cached_of and wid not in excluded:
                 shortlist.append(entry)
                 scores[wid] = entry[0]
         best_key = shortlist[0][:2] if shortlist else holders[0][2]
@@ -180,7 +174,7 @@ class KvAwarePolicy(Policy):
         tied = len(tied_holders) + tied_short
         if tied_short == limit:
             # the tie at the minimum may reach past the shortlist: pick among all of it, as select() would
-            best, best_cached = self._among_tied(roster, entries, best_key, tied_holders, depths, excluded)
+            best, best_cached = self._among_tied(roster, entries, best_key, tied_holders, cached_of, excluded)
         elif tied == 1:
             best, best_cached = tied_holders[0] if tied_holders else (shortlist[0][3].worker, 0)
         else:  # ties: each of the tied workers equally likely
@@ -190,19 +184,19 @@ class KvAwarePolicy(Policy):
             scored = [w for w, _, _ in holders] + [e[3].worker for e in shortlist]
             log.debug("model=%s prompt_tokens=%d scored %d of %d candidates: %s -> %s (cached %d tokens)",
                       request.model, request.prompt_tokens, len(scored), len(candidates),
-                      self._explain(scored, scores, depths, request, now), best.worker_id, best_cached)
+                      self._explain(scored, scores, cached_of, request, now), best.worker_id, best_cached)
         prefill = max(0, request.prompt_tokens - best_cached)
         return Decision(best, "lowest_cost", prefill + request.expected_output_tokens, scores, prefill_tokens=prefill)
 
     def _among_tied(self, roster: Roster, entries: Sequence[Entry], key: tuple[float, int],
-                    tied_holders: Sequence[tuple[Worker, int]], depths: dict[str, int],
+                    tied_holders: Sequence[tuple[Worker, int]], cached_of: dict[str, int],
                     excluded: Collection[str]) -> tuple[Worker, int]:
         """(worker, cached tokens) uniformly among the candidates whose cost key is `key`: the holders
         given, and the untried non-holders in the order's range of that load key."""
         lo = bisect_left(entries, key)
         hi = bisect_left(entries, (key[0], key[1] + 1))
         outside = 0  # members in [lo, hi) that are not tied candidates there: tried, or holders (scored apart)
-        for wid in {*excluded, *depths}:
+        for wid in {*excluded, *cached_of}:
             member = roster.member(wid)
             if member is not None and member.key is not None and member.key[:2] == key:
                 outside += 1
@@ -212,14 +206,13 @@ class KvAwarePolicy(Policy):
             return tied_holders[pick]
         while True:  # uniform over the range's candidates: draw until one is (most are)
             worker = entries[lo + rng.randrange(hi - lo)][3].worker
-            if worker.worker_id not in excluded and worker.worker_id not in depths:
+            if worker.worker_id not in excluded and worker.worker_id not in cached_of:
                 return worker, 0
 
     def on_dispatch(self, decision: Decision, request: RoutedRequest, now: float) -> None:
-        if request.prefix_hashes:
-            self.deps.prefix_index.insert(request.prefix_hashes, decision.worker.worker_id, now)
+        self.deps.cached_prefix.insert(request, decision.worker.worker_id, now)
 
-    def _explain(self, candidates: Sequence[Worker], scores: dict[str, float], depths: dict[str, int],
+    def _explain(self, candidates: Sequence[Worker], scores: dict[str, float], cached_of: dict[str, int],
                  request: RoutedRequest, now: float) -> str:
         """Each scored candidate's terms, and `ttft~`: the first-token time they predict there, the prompt
         tokens queued to prefill ahead of the request plus its own uncached part at that worker's learnt
@@ -227,7 +220,7 @@ class KvAwarePolicy(Policy):
         parts = []
         for w in candidates:
             load = w.load
-            cached = cached_tokens(request, depths.get(w.worker_id, 0))
+            cached = cached_of.get(w.worker_id, 0)
             uncached = max(0, request.prompt_tokens - cached)
             media = request.media_tokens * uncached // request.prompt_tokens if request.media_tokens else 0
             ttft = self.deps.estimator.for_worker(w.worker_id).prefill_s(load.prefill_backlog + uncached, media)

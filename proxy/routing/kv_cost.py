@@ -132,11 +132,6 @@ def _terms(load: LoadSnapshot, model: WorkerModel, prompt: int, media: int, outp
     return queue, prefill, evict, delay, cached, uncached, media_uncached, queue + prefill + evict + delay
 
 
-def cached_tokens(request: RoutedRequest, depth: int) -> int:
-    """Estimated prompt tokens covered by the first `depth` prefix blocks."""
-    return request.prefix_tokens[depth - 1] if depth > 0 else 0
-
-
 class KvCostPolicy(Policy):
     name = "kv_cost"
     config: KvCostConfig
@@ -166,14 +161,14 @@ class KvCostPolicy(Policy):
                 excluded: Collection[str]) -> Decision:
         """select() over `candidates` less the workers in `excluded` (more than `shortlist_above` are left)."""
         index, estimator = self.deps.prefix_index, self.deps.estimator
-        depths = index.match(request.prefix_hashes, None, now) if request.prefix_hashes else {}
-        pool = self._shortlist(candidates, depths, excluded)
+        cached_of = self.deps.cached_prefix.match(request, None, now) if request.prefix_hashes else {}
+        pool = self._shortlist(candidates, cached_of, excluded)
         snapshots = [w.load.snapshot(now) for w in pool]
         # how saturated the fleet is: the longest queue a candidate reported (reports are 250 ms
         # apart; under a closed loop the one that looks free now is the next to queue)
         fleet_waiting = max(s.reported_waiting for s in snapshots)
         prompt, media, output = request.prompt_tokens, request.media_tokens, request.expected_output_tokens
-        expected_kv, prefix_tokens = request.expected_kv_tokens, request.prefix_tokens
+        expected_kv = request.expected_kv_tokens
         models, hot_of, rng = estimator.models, index.hot_by_worker(), self.deps.rng
         best = pool[0]
         best_terms: _Terms | None = None
@@ -187,8 +182,7 @@ class KvCostPolicy(Policy):
         for worker, snap in zip(pool, snapshots, strict=True):
             wid = worker.worker_id
             model = models.get(wid) or estimator.for_worker(wid)
-            depth = depths.get(wid, 0)
-            terms = _terms(snap, model, prompt, media, output, expected_kv, prefix_tokens[depth - 1] if depth else 0,
+            terms = _terms(snap, model, prompt, media, output, expected_kv, cached_of.get(wid, 0),
                            hot_of.get(wid, 0), now, fleet_waiting)
             if debug:
                 terms_of[wid] = terms
@@ -229,7 +223,7 @@ class KvCostPolicy(Policy):
                                       best_pred.media_uncached)
         return Decision(best, reason, kv_tokens, scores, prefill_tokens=best_pred.uncached, prediction=prediction)
 
-    def _shortlist(self, candidates: Sequence[Worker], depths: dict[str, int],
+    def _shortlist(self, candidates: Sequence[Worker], cached_of: dict[str, int],
                    excluded: Collection[str] = ()) -> Sequence[Worker]:
         n = len(candidates)
         if n <= self.config.shortlist_above:
@@ -263,7 +257,7 @@ class KvCostPolicy(Policy):
             untried = [w for w in candidates if w.worker_id not in excluded] if excluded else candidates
             pool = {id(w): w for w in rng.sample(untried, min(k, len(untried)))}
         by_id = self._by_id
-        for wid in depths:
+        for wid in cached_of:
             if excluded and wid in excluded:
                 continue
             holder = by_id.get(wid)
@@ -273,8 +267,7 @@ class KvCostPolicy(Policy):
 
     def on_dispatch(self, decision: Decision, request: RoutedRequest, now: float) -> None:
         wid = decision.worker.worker_id
-        if request.prefix_hashes:
-            self.deps.prefix_index.insert(request.prefix_hashes, wid, now, request.prefix_tokens)
+        self.deps.cached_prefix.insert(request, wid, now)
         self.deps.estimator.for_worker(wid).observe_dispatch(decision.prefill_tokens, decision.kv_tokens)
 
     def on_finish(self, decision: Decision, request: RoutedRequest, sent_at: float, first_byte_at: float | None,

@@ -28,12 +28,11 @@ class PrefixPolicy(Policy):
         if high - low > knobs.imbalance_abs_requests and high > knobs.imbalance_ratio * low:
             return Decision(self.least_in_flight(candidates), "imbalanced", request.expected_kv_tokens)
         if request.prefix_hashes:
-            depths = self.deps.prefix_index.match(request.prefix_hashes, {w.worker_id for w in candidates}, now)
-            if depths:
-                deepest = max(depths.values())
-                cached = request.prefix_tokens[deepest - 1]
+            cached_of = self.deps.cached_prefix.match(request, {w.worker_id for w in candidates}, now)
+            if cached_of:
+                cached = max(cached_of.values())
                 if cached > knobs.min_match_fraction * request.prompt_tokens:
-                    holders = [w for w in candidates if depths.get(w.worker_id) == deepest]
+                    holders = [w for w in candidates if cached_of.get(w.worker_id) == cached]
                     worker = self.least_in_flight(holders)
                     kv_tokens = max(0, request.prompt_tokens - cached) + request.expected_output_tokens
                     return Decision(worker, "prefix_match", kv_tokens)
@@ -45,5 +44,4 @@ class PrefixPolicy(Policy):
         return Decision(worker, "least_loaded", request.expected_kv_tokens)
 
     def on_dispatch(self, decision: Decision, request: RoutedRequest, now: float) -> None:
-        if request.prefix_hashes:
-            self.deps.prefix_index.insert(request.prefix_hashes, decision.worker.worker_id, now)
+        self.deps.cached_prefix.insert(request, decision.worker.worker_id, now)

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import AsyncOpenAI, AuthenticationError, OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.procs import KVROUTE, REPO, Proc, ProcessGroup, free_port, wait_http_ok, wait_until
 
@@ -130,6 +131,25 @@ def test_workers_register_as_vllm_with_their_kv_capacity(fleet):
         assert view[worker_id]["url"].endswith(f":{port}")
         assert view[worker_id]["kv_capacity_tokens"] == 4096  # 32 blocks x 128 from vLLM's cache_config_info
         assert view[worker_id]["max_model_len"] == 2048
+
+
+def test_each_workers_engine_cache_reaches_the_proxy_through_its_kv_events(fleet):
+    raw = chat(fleet, " ".join(f"harbour{i} at dawn" for i in range(120)), max_tokens=2)  # ~5 blocks of 128
+    served = raw.headers["x-kvroute-worker"]
+
+    def kv_view() -> dict[str, float]:
+        text = httpx.get(f"{fleet.proxy_url}/metrics", timeout=5).text
+        return {sample.labels.get("state", "blocks"): sample.value
+                for family in text_string_to_metric_families(text) for sample in family.samples
+                if sample.name in ("kvroute:worker_kv_event_view", "kvroute:worker_kv_event_blocks")
+                and sample.labels["worker"] == served}
+
+    try:
+        wait_until(lambda: kv_view().get("exact") == 1.0 and kv_view().get("blocks", 0) >= 3, 20, 0.2,
+                   f"the proxy to see {served}'s engine cache")
+    except TimeoutError:
+        print(kv_view(), fleet.workers[served][0].log()[-3000:])
+        raise
 
 
 def test_chat_with_text(fleet):

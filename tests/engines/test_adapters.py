@@ -211,3 +211,22 @@ def test_vllm_pools_get_the_kv_and_ec_connector_for_their_role_and_nixl_its_own_
     assert json.loads(cpu[cpu.index("--kv-transfer-config") + 1])["kv_buffer_device"] == "cpu"
     given = adapter.command(launch(role="prefill", kv_transfer=kv, engine_args=["--kv-transfer-config", "{}"]))
     assert given.count("--kv-transfer-config") == 1  # the operator's own flag wins
+def test_vllm_publishes_its_kv_events_where_the_worker_reads_them_hashed_as_the_proxy_can():
+    vllm = VllmAdapter()
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "ipc:///tmp/x/events", "topic": "t"}
+    cmd = vllm.command(launch(kv_events=events))
+    assert cmd[cmd.index("--kv-events-config") + 1] == '{"enable_kv_cache_events": true, "publisher": "zmq", ' \
+                                                      '"endpoint": "ipc:///tmp/x/events", "topic": "t"}'
+    assert "--enable-prefix-caching" in cmd and cmd[cmd.index("--prefix-caching-hash-algo") + 1] == "sha256_cbor"
+    assert vllm.kv_event_scheme(launch(), {}) == ("sha256_cbor", "vllm-none-hash")
+    assert vllm.kv_event_scheme(launch(), {"PYTHONHASHSEED": "7"}) == ("sha256_cbor", "7")  # vLLM's seed then
+    own = launch(engine_args=["--prefix-caching-hash-algo", "sha256", "--enable-prefix-caching"], kv_events=events)
+    assert vllm.kv_event_scheme(own, {}) == ("sha256", "vllm-none-hash")
+    cmd = vllm.command(own)
+    assert cmd.count("--enable-prefix-caching") == 1 and cmd.count("--prefix-caching-hash-algo") == 1
+    # no forwarding where the proxy could not follow, or the operator set the publisher up himself
+    for args in (["--prefix-caching-hash-algo", "xxhash"], ["--no-enable-prefix-caching"],
+                 ["--kv-events-config", "{}"], ["--data-parallel-size", "2"]):
+        assert vllm.kv_event_scheme(launch(engine_args=args), {}) is None
+    assert "--kv-events-config" not in vllm.command(launch())
+    assert TurbomindAdapter().kv_event_scheme(launch(), {}) is None
