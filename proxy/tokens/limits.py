@@ -1,0 +1,50 @@
+"""Whether an engine takes a prompt of its length, by vLLM 0.32's rule, and its answer when it does not.
+
+Owns the rule: the prompt must leave room for one generated token (prompt < max_model_len), and a max_tokens
+(max_completion_tokens) the client gives may not exceed max_model_len; a larger max_tokens is not refused but
+cut to what is left, and none given means all that is left. The refusal carries the engine's own message.
+Only an exact count is judged: an estimated prompt fits every worker, and the engine answers for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.errors import ProxyError
+from proxy.request import RoutedRequest
+
+
+def context_need(routed: RoutedRequest) -> int:
+    """The max_model_len a worker needs to take `routed`; 0 (every worker) when its prompt was not counted exactly."""
+    if not routed.exact_tokens:
+        return 0
+    _, max_tokens = explicit_max_tokens(routed.payload)
+    return max(routed.prompt_tokens + 1, max_tokens)
+
+
+def context_refusal(routed: RoutedRequest, limit: int) -> ProxyError:
+    """The engine's 400 for `routed` on workers whose max_model_len is at most `limit`."""
+    prompt = routed.prompt_tokens
+    param, max_tokens = explicit_max_tokens(routed.payload)
+    if prompt > limit:
+        param, value = "input_tokens", prompt
+        message = (f"This model's maximum context length is {limit} tokens. However, your prompt contains {prompt} "
+                   f"input tokens, which exceeds this limit even without any output tokens. Please reduce the "
+                   f"length of the input prompt.")
+    elif prompt == limit:  # nothing left to generate: the engine's max_tokens comes out 0
+        param, value = "max_tokens", 0
+        message = "max_tokens must be at least 1, got 0."
+    else:
+        value = max_tokens
+        message = f"{param}={max_tokens} cannot be greater than max_model_len={limit}. Please request fewer output tokens."
+    return ProxyError(400, f"{message} (parameter={param}, value={value})", "invalid_request_error",
+                      code="context_length_exceeded", param=param)
+
+
+def explicit_max_tokens(payload: dict[str, Any]) -> tuple[str, int]:
+    """(its name, the output limit the client gave): max_completion_tokens, else max_tokens; 0 when neither."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = payload.get(key)
+        if value is not None:
+            return key, value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+    return "max_tokens", 0
