@@ -30,6 +30,7 @@ from pathlib import Path
 
 import aiohttp
 
+from backends import tokenizer_handover
 from backends.address import advertise_url
 from backends.engines.base import EngineAdapter, EngineLaunch
 from backends.engines.guard import ENGINE_PID_LINE, set_parent_death_signal
@@ -264,7 +265,11 @@ class Supervisor:
             labels={"device": self.launch.device, "engine_family": self.adapter.family},
             api_key=self.api_key,
         )
-        self.reporter = ProxyReporter(self.args.proxy_url, registration, self.read_load, token=self.args.proxy_token)
+        # vLLM counts prompts with the checkpoint's tokenizer and template, which the proxy then uses as well
+        handover = (await tokenizer_handover.for_vllm(self.launch.model, self.launch.engine_args)
+                    if self.adapter.family == "vllm" else None)
+        self.reporter = ProxyReporter(self.args.proxy_url, registration, self.read_load, token=self.args.proxy_token,
+                                      on_registered=handover)
         await self.reporter.start()
 
     async def _max_model_len(self) -> int | None:

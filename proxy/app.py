@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 from proxy import gctuning
-from proxy.api import control, openapi, ops
+from proxy.api import control, openapi, ops, tokenizers
 from proxy.api import openai as openai_api
 from proxy.config import FleetConfig
 from proxy.dispatch import Dispatcher, PolicySet
@@ -120,6 +120,7 @@ def build_app(config: FleetConfig, *, policy: str | None = None) -> web.Applicat
 
     openai_api.add_routes(app, dispatcher, registry, config)
     control.add_routes(app, registry, monitor, dispatcher.queue_lengths)
+    tokenizers.add_routes(app, registry, dispatcher.tokenizers)
     ops.add_routes(app, registry, metrics, dispatcher.queue_lengths)
     openapi.add_routes(app)
     app.cleanup_ctx.append(_lifecycle)

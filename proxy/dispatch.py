@@ -30,6 +30,7 @@ from proxy.routing.admission import AdmissionController
 from proxy.routing.base import Decision, Policy, PolicyDeps, make_policy
 from proxy.security.clientauth import ClientAuth
 from proxy.security.limits import check_request
+from proxy.tokens.store import TokenizerStore
 from proxy.upstream import ForwardResult, RetryableFailure, Upstream, upstream_headers
 
 log = logging.getLogger("kvroute.dispatch")
@@ -87,6 +88,7 @@ class Dispatcher:
         self.policies = policies
         self.metrics = metrics
         self.admission = AdmissionController(registry, config.proxy, policies.deps.estimator)
+        self.tokenizers = TokenizerStore(registry)  # each served model's, as its workers hand them over
         self.instance_id = uuid.uuid4().hex[:16]
 
     async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
@@ -105,6 +107,7 @@ class Dispatcher:
             model_label = self.metrics.model_label(routed.model)
             served = self.resolve_model(routed.model)
             model_label = served
+            await self.tokenizers.count(routed, served)  # the engine's own count where it matters (proxy/tokens)
             check_request(routed, self.config, served)
             await self.client_auth.admit(principal, served, routed.expected_kv_tokens)
             return await self._route(request, routed, served, request_id, started)
