@@ -78,6 +78,7 @@ class Journey:
             model_label = self.metrics.model_label(routed.model)
             served = self.dispatcher.resolve_model(routed.model)
             model_label = served
+            await self.dispatcher.tokenizers.count(routed, served)  # the engine's own count where it matters
             watch.parsed(served, routed.stream, principal, routed.prompt_tokens)
             check_request(routed, self.dispatcher.config, served)
             await self.dispatcher.client_auth.admit(principal, served, routed.expected_kv_tokens)
