@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sim.add_argument("--crash-after", type=int, default=None, help="exit abruptly after N requests")
     sim.add_argument("--stall-after", type=int, default=None, help="stop producing tokens after N requests")
     sim.add_argument("--slow-start", type=float, default=0.0, help="seconds before the server starts listening")
+    sim.add_argument("--tokenizer", default=None, metavar="DIR",
+                     help="a checkpoint folder (tokenizer.json, chat template, processor config): the sim counts "
+                          "prompts with it, exactly as vLLM would, and hands it to the proxy; default: its own rule")
 
     eng = p.add_argument_group("vllm / turbomind engines")
     eng.add_argument("--model", default=None, help="checkpoint path")

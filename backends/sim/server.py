@@ -21,6 +21,7 @@ import random
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -41,7 +42,7 @@ from backends.sim.openai_api import (
 )
 from backends.sim.presets import Preset, get_preset
 from backends.sim.scheduler import SimRequest
-from backends.sim.tokens import chat_prompt, completion_prompt, public_token_ids
+from backends.sim.tokens import chat_prompt, completion_prompt, exact_prompt, public_token_ids
 from proxy.protocol import WorkerRegistration
 
 log = logging.getLogger("kvroute.sim.server")
@@ -59,8 +60,10 @@ class SimServer:
     """One simulated worker: engine + HTTP surface + fault injection + drain state."""
 
     def __init__(self, preset: Preset, served_model_name: str, time_scale: float = 1.0, seed: int = 0,
-                 fail_rate: float = 0.0, crash_after: int | None = None, stall_after: int | None = None) -> None:
+                 fail_rate: float = 0.0, crash_after: int | None = None, stall_after: int | None = None,
+                 counter: Any = None) -> None:
         self.preset = preset
+        self.counter = counter  # --tokenizer: a real tokenizer's PromptCounter (proxy/tokens), else None
         self.model = served_model_name
         self.engine = SimEngine(preset, time_scale)
         self.metrics = SimMetrics(self.engine, served_model_name)
@@ -147,9 +150,11 @@ class SimServer:
     async def tokenize(self, request: web.Request) -> web.Response:
         try:
             body = orjson.loads(await request.read())
-            if "messages" in body:
+            chat = "messages" in body
+            prompt = exact_prompt(self.counter, body, chat) if self.counter is not None else None
+            if prompt is None and chat:
                 prompt = chat_prompt(body["messages"], bool(body.get("add_generation_prompt", True)))
-            else:
+            elif prompt is None:
                 prompt = completion_prompt(body.get("prompt", ""))
         except (orjson.JSONDecodeError, ValueError, TypeError, AttributeError) as exc:
             return _error(400, f"cannot tokenize: {exc}", "BadRequestError")
@@ -187,7 +192,8 @@ class SimServer:
         try:
             body = orjson.loads(await request.read())
             parsed = parse_request(body, kind, self.model, self.engine.max_model_len,
-                                   default_seed=hash((self.seed, self.requests_received)) & 0x7FFFFFFF)
+                                   default_seed=hash((self.seed, self.requests_received)) & 0x7FFFFFFF,
+                                   counter=self.counter)
         except orjson.JSONDecodeError as exc:
             return _error(400, f"invalid JSON body: {exc}", "BadRequestError")
         except ApiError as exc:
@@ -287,8 +293,20 @@ async def serve(args: argparse.Namespace, preset: Preset) -> int:
     if args.slow_start > 0:
         log.info("--slow-start: waiting %.1fs before listening", args.slow_start)
         await asyncio.sleep(args.slow_start)
+    counter = handover = None
+    if getattr(args, "tokenizer", None):  # count as the real model does, and give the proxy the same tokenizer
+        from backends.tokenizer_handover import TokenizerHandover
+        from proxy.tokens.bundle import read_model_dir
+        from proxy.tokens.counter import PromptCounter
+
+        bundle = await asyncio.to_thread(read_model_dir, Path(args.tokenizer))
+        if bundle is None:
+            print(f"kvroute worker: error: no tokenizer.json in {args.tokenizer}", file=sys.stderr)
+            return 2
+        counter = await asyncio.to_thread(PromptCounter, bundle)
+        handover = TokenizerHandover(bundle)
     server = SimServer(preset, model, time_scale=args.time_scale, seed=args.seed, fail_rate=args.fail_rate,
-                       crash_after=args.crash_after, stall_after=args.stall_after)
+                       crash_after=args.crash_after, stall_after=args.stall_after, counter=counter)
     runner = web.AppRunner(server.build_app(), access_log=None, handler_cancellation=True,
                             shutdown_timeout=2.0)
     await runner.setup()
@@ -311,7 +329,8 @@ async def serve(args: argparse.Namespace, preset: Preset) -> int:
             worker_id=args.worker_id, url=url, models=[model], engine="sim",
             kv_capacity_tokens=server.engine.kv.num_blocks * server.engine.kv.block_size,
             max_model_len=server.engine.max_model_len, labels={"preset": preset.name})
-        reporter = ProxyReporter(args.proxy_url, registration, server.load_reading, token=args.proxy_token)
+        reporter = ProxyReporter(args.proxy_url, registration, server.load_reading, token=args.proxy_token,
+                                 on_registered=handover)
         await reporter.start()
 
     await stop.wait()
