@@ -196,13 +196,13 @@ def counted(request, prompt_tokens: int):
 def test_a_counted_prompt_that_fits_no_worker_is_refused_400_with_the_engines_message():
     _, _, admission, policy = setup({"a": 4096, "b": 8192})
     with pytest.raises(ProxyError) as refused:
-        admit_without_suspending(admission, policy, counted(chat("word " * 8000, max_tokens=100), 8193))
+        admit_without_suspending(admission, policy, counted(chat("word " * 8000, max_tokens=100), 9000))
     error = refused.value
     assert error.status == 400 and error.code == "context_length_exceeded" and error.param == "input_tokens"
     assert error.err_type == "invalid_request_error"
     assert error.message == ("This model's maximum context length is 8192 tokens. However, your prompt contains "
-                             "8193 input tokens, which exceeds this limit even without any output tokens. Please "
-                             "reduce the length of the input prompt. (parameter=input_tokens, value=8193)")
+                             "at least 8193 input tokens, which exceeds this limit even without any output tokens. "
+                             "Please reduce the length of the input prompt. (parameter=input_tokens, value=8193)")
     # vLLM 0.32 takes a prompt one token short of max_model_len, cutting max_tokens to what is left ...
     assert admit_without_suspending(admission, policy, counted(chat(max_tokens=7000), 8191)).worker.worker_id == "b"
     assert admit_without_suspending(admission, policy, counted(chat(max_tokens=None), 8191)).worker.worker_id == "b"

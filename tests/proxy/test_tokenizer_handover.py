@@ -60,8 +60,8 @@ def test_a_prompt_one_token_short_of_the_context_passes_and_one_more_is_refused_
         assert refused.json()["error"]["code"] == "context_length_exceeded"
     assert full.json()["error"]["message"] == "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"
     assert over.json()["error"]["message"].startswith(
-        f"This model's maximum context length is {limit} tokens. However, your prompt contains {limit + 1} input "
-        "tokens")
+        f"This model's maximum context length is {limit} tokens. However, your prompt contains at least {limit + 1} "
+        "input tokens")
     assert sum(w["dispatched_total"] for w in fleet.workers()) == 1  # the refused ones never reached an engine
 
 
