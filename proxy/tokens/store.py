@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from array import array
 from functools import partial
 from typing import Any
 
 from proxy.registry import Registry, Worker
 from proxy.request import CHAT, RoutedRequest
 from proxy.tokens.bundle import BundleError, from_wire
-from proxy.tokens.counter import PromptCounter, Uncountable
+from proxy.tokens.counter import Pending, PromptCounter, Uncountable
 from proxy.tokens.prompt import CountedPrompt, PromptTokens
 
 log = logging.getLogger("kvroute.tokens")
@@ -37,9 +38,11 @@ EXACT_FROM_TOKENS = 1024
 # A prompt whose bound reaches a worker's max_model_len is counted before routing.
 TOKENS_PER_BODY_BYTE_BOUND = 2
 TEMPLATE_SLACK_TOKENS = 1024
-# Above these the work leaves the event loop (bench/results/2026-12-03-exact-tokens-cost.md)
-PREPARE_OFF_LOOP_BYTES = 256 * 1024
-ENCODE_OFF_LOOP_CHARS = 8 * 1024
+# Above these the work leaves the event loop (bench/results/2026-12-03-exact-tokens-cost.md): encoding costs
+# ~0.3 us a character on the 2-core box, so 4096 uncached characters hold the loop ~1.2 ms, against a 51 us
+# hop to a thread; rendering a 15 KiB, 41-message conversation in Qwen3's template took 0.25-0.7 ms.
+PREPARE_OFF_LOOP_BYTES = 32 * 1024
+ENCODE_OFF_LOOP_CHARS = 4096
 
 
 class TokenizerLimit(ValueError):
@@ -119,14 +122,14 @@ class TokenizerStore:
         if not self._count_now(routed, served):
             return
         try:
-            if len(routed.body) >= PREPARE_OFF_LOOP_BYTES:
-                pending = await asyncio.to_thread(counter.prepare, routed.payload, chat)
+            if len(routed.body) >= PREPARE_OFF_LOOP_BYTES:  # a long conversation: rendering it takes a while too
+                pending, encoded = await asyncio.to_thread(_prepare_and_encode, counter, routed.payload, chat)
             else:
                 pending = counter.prepare(routed.payload, chat)
-            if pending.missing_chars >= ENCODE_OFF_LOOP_CHARS:
-                encoded = await asyncio.to_thread(counter.encode, pending)
-            else:
-                encoded = counter.encode(pending)
+                if pending.missing_chars >= ENCODE_OFF_LOOP_CHARS:
+                    encoded = await asyncio.to_thread(counter.encode, pending)
+                else:
+                    encoded = counter.encode(pending)
             counted: CountedPrompt | None = counter.finish(pending, encoded)
         except Uncountable as exc:
             log.debug("prompt for %s left to the engine to count: %s", served, exc)
@@ -183,6 +186,11 @@ def use_exact_count(routed: RoutedRequest, counted: CountedPrompt) -> None:
     if routed.prefix_tokens and estimate > 0 and estimate != routed.prompt_tokens:
         ratio = routed.prompt_tokens / estimate
         routed.prefix_tokens = [int(t * ratio) for t in routed.prefix_tokens]
+
+
+def _prepare_and_encode(counter: PromptCounter, payload: dict[str, Any], chat: bool) -> tuple[Pending, list[array]]:
+    pending = counter.prepare(payload, chat)  # reads the cache only: safe beside the loop's writes
+    return pending, counter.encode(pending)
 
 
 def _load(wire: str, sha256: str) -> PromptCounter:
