@@ -23,9 +23,12 @@ from pathlib import Path
 import orjson
 
 from bench.report import environment_note, md_table, results_path
+from proxy.protocol import WorkerRegistration
+from proxy.registry import Registry
 from proxy.request import CHAT, parse_request
 from proxy.tokens.bundle import read_model_dir
 from proxy.tokens.counter import PromptCounter
+from proxy.tokens.store import TokenizerStore
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny-qwen3-vl"
 _VOCAB = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
@@ -103,6 +106,27 @@ def measure(folder: Path, repeat: int) -> list[list[object]]:
     return rows
 
 
+def deferred_us(repeat: int) -> float:
+    """CPU microseconds the proxy adds to a short prompt of a model whose tokenizer it holds: TokenizerStore.count
+    deciding to count it on first use instead (what every short request pays)."""
+    bundle = read_model_dir(TINY)
+    assert bundle is not None
+    registry = Registry()
+    registry.register(WorkerRegistration(worker_id="w", url="http://w:1", models=["m"], max_model_len=32768))
+    store = TokenizerStore(registry)
+    raw = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": _words(random.Random(1), 40)}]})
+
+    async def run() -> float:
+        await store.adopt(bundle.sha256, ["m"], bundle.to_wire())
+        requests = [parse_request(raw, CHAT) for _ in range(repeat)]
+        start = time.process_time_ns()
+        for request in requests:
+            await store.count(request, "m")
+        assert not requests[0].exact_tokens
+        return (time.process_time_ns() - start) / 1000 / repeat
+    return asyncio.run(run())
+
+
 def thread_hop_us(repeat: int) -> tuple[float, float]:
     """(CPU, wall) microseconds of one `await asyncio.to_thread(no-op)` on an otherwise idle loop."""
     async def run() -> tuple[float, float]:
@@ -125,6 +149,7 @@ def main() -> int:
     rows = [row for folder in (_qwen3(), TINY) if folder is not None and (folder / "tokenizer.json").exists()
             for row in measure(folder, args.repeat)]
     hop_cpu, hop_wall = thread_hop_us(args.repeat * 10)
+    deferred = deferred_us(args.repeat * 1000)
     text = "\n".join([
         "# What exact prompt counting costs the proxy", "", environment_note(), "",
         f"CPU microseconds per request, median of {args.repeat} runs, in-process (`python -m bench.exact_tokens`). "
@@ -135,6 +160,9 @@ def main() -> int:
         "", md_table(["tokenizer", "request", "tokens", "body bytes", "chars to encode", "estimate us", "prepare us",
                       "encode us", "exact us"], rows), "",
         f"One hop to a thread and back (`asyncio.to_thread`, no work): {hop_cpu:.0f} us CPU, {hop_wall:.0f} us wall.",
+        "",
+        f"What a short prompt pays where the proxy holds its model's tokenizer (`TokenizerStore.count` deciding "
+        f"to count it on first use, mean of {args.repeat * 1000}): {deferred:.1f} us CPU.",
         ""])
     out = args.out or results_path("exact-tokens-cost", ".md")
     out.write_text(text)
