@@ -18,7 +18,15 @@ import pytest
 
 from proxy.tokens.bundle import read_model_dir
 from proxy.tokens.counter import PromptCounter
-from tests.support.procs import KVROUTE, REPO, ProcessGroup, admin_headers, free_port, wait_http_ok, wait_until
+from tests.support.procs import (
+    KVROUTE,
+    REPO,
+    ProcessGroup,
+    admin_headers,
+    free_port,
+    wait_http_ok,
+    wait_until,
+)
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.timeout(420),
