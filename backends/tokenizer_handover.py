@@ -16,6 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
+from proxy.security.redact import redact_text
 from proxy.tokens.bundle import FILES, TokenizerBundle, read_model_dir
 
 log = logging.getLogger("kvroute.tokenizer")
@@ -40,9 +41,10 @@ class TokenizerHandover:
                 if self._wire is None:
                     self._wire = await asyncio.to_thread(self.bundle.to_wire)  # ~0.5 s of gzip for 11 MiB
                 if await self._post(session, url, headers, {"sha256": self.sha256, "bundle": self._wire}):
-                    log.info("handed tokenizer %s to %s", self.sha256[:12], proxy_url)
+                    log.info("handed tokenizer %s to %s", self.sha256[:12], redact_text(proxy_url))
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            log.info("could not hand the tokenizer to %s (%s); it counts prompts by estimate", proxy_url, exc)
+            log.info("could not hand the tokenizer to %s (%s); it counts prompts by estimate", redact_text(proxy_url),
+                     redact_text(str(exc)))
 
     async def _post(self, session: aiohttp.ClientSession, url: str, headers: dict[str, str],
                     body: dict[str, str]) -> bool | None:
@@ -52,7 +54,7 @@ class TokenizerHandover:
             if resp.status == 200:
                 return bool((await resp.json()).get("have"))
             if resp.status == 404:  # a proxy without the hand-over (older), or one that forgot us: no matter
-                log.debug("proxy has no tokenizer hand-over (%s)", url)
+                log.debug("proxy has no tokenizer hand-over (%s)", redact_text(url))
             else:
                 log.warning("proxy refused the tokenizer (%s): %s", resp.status, (await resp.text())[:300])
             return None
