@@ -32,6 +32,9 @@ from proxy.tokens.vision import vision_rules
 # Characters of pieces each model's cache keeps (the text and its ids: ~2 bytes a character, so ~16 MiB):
 # a few hundred long system prompts and conversation histories.
 CACHE_CHARS = 8 * 1024 * 1024
+# A rendered prompt longer than this is left to the engine (which refuses text over max_model_len x its longest
+# token before tokenizing): the proxy's work per request stays bounded (~1-2 s of a thread).
+MAX_TEXT_CHARS = 4 * 1024 * 1024
 # What the engine renders differently from what this module models: the count is then left to the engine.
 _UNMODELLED_FIELDS = ("chat_template", "truncate_prompt_tokens", "mm_processor_kwargs", "prompt_embeds")
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
@@ -49,6 +52,7 @@ class Pending:
     pieces: list[Any]
     missing: list[str] = field(default_factory=list)
     add_special: bool = False  # encode the one text with the tokenizer's special tokens (not cached)
+    text_chars: int = 0  # the rendered prompt's length
 
     @property
     def missing_chars(self) -> int:
@@ -85,6 +89,7 @@ class PromptCounter:
         contents = sorted(self._added_ids, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, contents)) + ")") if contents else None
         self._adds_special = self.tokenizer.num_special_tokens_to_add(False) > 0
+        self.max_chars_per_token = max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=0)
         self._cache: OrderedDict[str, array] = OrderedDict()
         self._cache_chars = 0
         self._cache_limit = cache_chars
@@ -107,12 +112,17 @@ class PromptCounter:
             if not isinstance(prompt, str):
                 raise Uncountable("a batch of prompts")
             text, media, add_special = prompt, [], payload.get("add_special_tokens", True) is not False
+        if len(text) > MAX_TEXT_CHARS:
+            raise Uncountable(f"a prompt of {len(text)} characters")
         add_special = add_special and self._adds_special
         if add_special or not self._segmentable or self._split is None:
             if media:
                 raise Uncountable("media in a prompt this tokenizer must encode whole")
-            return Pending([text], [text], add_special=add_special)
-        return self._pieces(text, media)
+            pending = Pending([text], [text], add_special=add_special)
+        else:
+            pending = self._pieces(text, media)
+        pending.text_chars = len(text)
+        return pending
 
     def encode(self, pending: Pending) -> list[array]:
         """Token ids of each of `pending`'s missing texts. Safe on any thread."""
@@ -143,7 +153,7 @@ class PromptCounter:
                 piece = (self._pad_ids[piece.kind], length)
             pieces.append(piece)
             total += piece[1] if isinstance(piece, tuple) else len(piece)
-        return CountedPrompt(pieces, total, media)
+        return CountedPrompt(pieces, total, media, pending.text_chars, self.max_chars_per_token)
 
     def count(self, payload: dict[str, Any], chat: bool) -> CountedPrompt:
         pending = self.prepare(payload, chat)

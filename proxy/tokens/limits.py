@@ -30,9 +30,15 @@ def context_refusal(routed: RoutedRequest, limit: int) -> ProxyError:
     counted = routed.tokens.counted if routed.tokens is not None and routed.tokens.ready else None
     # the engine checks the text's tokens (one per image) before it expands each image to its tokens
     before_images = prompt - routed.media_tokens + (len(counted.media) if counted is not None else 0)
+    max_chars = limit * counted.max_chars_per_token if counted is not None else 0
     if max_tokens > limit:
         value = max_tokens
         message = f"{param}={max_tokens} cannot be greater than max_model_len={limit}. Please request fewer output tokens."
+    elif counted is not None and 0 < max_chars < counted.text_chars:  # refused before tokenizing, by length
+        param, value = "input_text", counted.text_chars
+        message = (f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+                   f"{counted.text_chars} characters (more than {max_chars} characters, which is the upper bound "
+                   f"for {limit} input tokens). Please reduce the length of the input prompt.")
     elif before_images > limit:  # it stops tokenizing one past its limit, so it says "at least" that many
         param, value = "input_tokens", limit + 1
         message = (f"This model's maximum context length is {limit} tokens. However, your prompt contains at least "

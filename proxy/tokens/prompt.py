@@ -33,10 +33,14 @@ class CountedPrompt:
     """The engine's view of one prompt. `pieces` are runs of ids; a (token id, n) pair is n copies of it."""
 
     def __init__(self, pieces: Sequence[array | tuple[int, int]], num_tokens: int,
-                 media: Sequence[MediaItem] = ()) -> None:
+                 media: Sequence[MediaItem] = (), text_chars: int = 0, max_chars_per_token: int = 0) -> None:
         self.pieces = pieces
         self.num_tokens = num_tokens
         self.media = tuple(media)
+        # the rendered prompt's length, and its tokenizer's longest token: vLLM refuses text longer than
+        # max_model_len x max_chars_per_token before it tokenizes (limits.py words its refusal the same way)
+        self.text_chars = text_chars
+        self.max_chars_per_token = max_chars_per_token
 
     @property
     def media_tokens(self) -> int:

@@ -145,8 +145,9 @@ def test_through_kvroute_one_token_short_of_the_context_passes_and_one_more_is_r
     pictures = [{"role": "user", "content": [image(1200, 900), image(900, 1200, (9, 9, 9)), image(640, 480, (1, 2, 3)),
                                              {"type": "text", "text": "x"}]}]
     assert setup.counter.count({"messages": pictures}, True).num_tokens > LIMIT  # 3 x 234 image tokens and text
+    chars = [{"role": "user", "content": "x" + " a" * (LIMIT * setup.counter.max_chars_per_token // 2)}]
     for messages in (prompt_of(setup.counter, LIMIT), prompt_of(setup.counter, LIMIT + 1),
-                     prompt_of(setup.counter, LIMIT + 60), pictures):
+                     prompt_of(setup.counter, LIMIT + 60), pictures, chars):
         refused = setup.chat(setup.with_tokenizer, {"messages": messages})
         assert refused.status_code == 400 and "x-kvroute-worker" not in refused.headers  # the proxy answered
         engine = setup.chat(setup.engine, {"messages": messages}, key=ENGINE_KEY)
