@@ -93,7 +93,6 @@ class PromptCounter:
         self._cache: OrderedDict[str, array] = OrderedDict()
         self._cache_chars = 0
         self._cache_limit = cache_chars
-        self._variables: dict[int, frozenset[str]] = {}
 
     # --- the three steps ----------------------------------------------------------------------
     def prepare(self, payload: dict[str, Any], chat: bool) -> Pending:
@@ -108,7 +107,10 @@ class PromptCounter:
                 prompt = prompt[0]  # a batch of one
             if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                            for t in prompt):
-                return Pending([array("q", prompt)])
+                try:
+                    return Pending([array("q", prompt)])  # the client's ids, as they are
+                except OverflowError:
+                    raise Uncountable("token ids out of range") from None
             if not isinstance(prompt, str):
                 raise Uncountable("a batch of prompts")
             text, media, add_special = prompt, [], payload.get("add_special_tokens", True) is not False
@@ -129,7 +131,7 @@ class PromptCounter:
         if not pending.missing:
             return []
         encodings = self.tokenizer.encode_batch_fast(pending.missing, add_special_tokens=pending.add_special)
-        return [array("q", e.ids) for e in encodings]
+        return [array("I", e.ids) for e in encodings]  # 4 bytes an id: the cache holds ids of millions of characters
 
     def finish(self, pending: Pending, encoded: list[array]) -> CountedPrompt:
         """The counted prompt, from `prepare`'s pieces and `encode`'s ids for its missing texts."""

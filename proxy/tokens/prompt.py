@@ -76,8 +76,9 @@ class PromptTokens:
     @property
     def counted(self) -> CountedPrompt | None:
         """The engine's view of the prompt; None where the proxy cannot know it exactly (an http image, a part type
-        or template it does not model). Computed on the calling thread the first time (a short prompt: well
-        under a millisecond; long ones were counted off the event loop before routing)."""
+        or template it does not model). Computed the first time, on the calling thread, which should be the
+        event loop's (the counter's cache lives there): a short prompt takes well under a millisecond, and long
+        ones were counted off the loop before routing."""
         if not self._done:
             compute, self._compute = self._compute, None
             self.set(compute() if compute is not None else None)
