@@ -1,7 +1,7 @@
 """`kvroute worker`: parse the worker's flags and hand over to the engine's entry point.
 
 Owns the command line only. `--engine sim` runs the simulator in this process
-(backends.sim.server.main); `--engine vllm|turbomind` runs the supervisor around the
+(backends.sim.process.main); `--engine vllm|turbomind` runs the supervisor around the
 engine's own OpenAI server (backends.worker.main). Arguments after `--` go to the engine.
 """
 
@@ -72,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sim.add_argument("--kv-events-config", default=None,
                      help="also publish the KV-cache events where vLLM's flag of this name would (JSON, e.g. "
                           "'{\"endpoint\": \"tcp://*:5557\", \"topic\": \"kv-events\"}'), for vllm-router's kv_aware policy")
+    sim.add_argument("--tokenizer", default=None, metavar="DIR",
+                     help="a checkpoint folder (tokenizer.json, chat template, processor config): the sim counts "
+                          "prompts with it, exactly as vLLM would, and hands it to the proxy; default: its own rule")
 
     eng = p.add_argument_group("vllm / turbomind engines")
     eng.add_argument("--model", default=None, help="checkpoint path")
@@ -85,5 +88,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.engine_args and args.engine_args[0] == "--":
         args.engine_args = args.engine_args[1:]
-    module = "backends.sim.server" if args.engine == "sim" else "backends.worker"
+    module = "backends.sim.process" if args.engine == "sim" else "backends.worker"
     return int(importlib.import_module(module).main(args) or 0)

@@ -41,6 +41,8 @@ class Load:
 
 
 LoadSource = Callable[[], Awaitable[Load]]
+# Called (as its own task) after each registration: (session, proxy URL, worker id, the worker's own credentials).
+OnRegistered = Callable[[aiohttp.ClientSession, str, str, dict[str, str]], Awaitable[None]]
 
 
 class KvBatchSource(Protocol):
@@ -82,7 +84,7 @@ class ProxyReporter:
 
     def __init__(self, proxy_url: str | Sequence[str], registration: WorkerRegistration, load_source: LoadSource,
                  token: str | None = None, interval_s: float = REPORT_INTERVAL_MAX_S,
-                 kv_events: KvBatchSource | None = None) -> None:
+                 kv_events: KvBatchSource | None = None, on_registered: OnRegistered | None = None) -> None:
         # Several proxies (replicas sharing Redis): talk to one, move to the next when it stops answering.
         self.proxy_urls = parse_proxy_urls(proxy_url)
         if not self.proxy_urls:
@@ -104,6 +106,8 @@ class ProxyReporter:
         self._seq = 0
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._on_registered = on_registered  # e.g. the tokenizer hand-over (backends/tokenizer_handover.py)
+        self._after_register: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=5, connect=2)
@@ -130,6 +134,11 @@ class ProxyReporter:
                             self.kv_events.resync()  # this proxy (or a restarted one) may know nothing yet
                         log.info("registered with %s as %s", redact_text(self.proxy_url), self.worker_id)
                         self.registered.set()
+                        if self._on_registered is not None:  # its own task: reports go on meanwhile
+                            if self._after_register is not None:
+                                self._after_register.cancel()
+                            self._after_register = asyncio.create_task(self._on_registered(
+                                self._session, self.proxy_url, self.worker_id, self._own_headers()))
                         return
                     text = await resp.text()
                     log.warning("proxy refused registration (%s): %s", resp.status, text[:200])
@@ -235,6 +244,8 @@ class ProxyReporter:
                 pass
 
     async def stop(self, deregister: bool = True) -> None:
+        if self._after_register is not None:
+            self._after_register.cancel()
         if self._task:
             self._task.cancel()
             try:

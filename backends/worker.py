@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from backends import tokenizer_handover
 from backends.address import advertise_url
 from backends.engines.base import EngineAdapter, EngineLaunch
 from backends.engines.guard import ENGINE_PID_LINE, set_parent_death_signal
@@ -282,8 +283,12 @@ class Supervisor:
                     **role_labels(self.launch.kv_transfer)},
             api_key=self.api_key, role=self.launch.role,  # type: ignore[arg-type]  # cmd_worker's choices
         )
+        # vLLM counts prompts with the checkpoint's tokenizer and template, which the proxy then uses as well
+        handover = (await tokenizer_handover.for_vllm(self.launch.model, self.launch.engine_args)
+                    if self.adapter.family == "vllm" else None)
         self.reporter = ProxyReporter(self.args.proxy_url, registration, self.read_load, token=self.args.proxy_token,
-                                      kv_events=self.kv_feed.mirror if self.kv_feed is not None else None)
+                                      kv_events=self.kv_feed.mirror if self.kv_feed is not None else None,
+                                      on_registered=handover)
         await self.reporter.start()
 
     async def _max_model_len(self) -> int | None:

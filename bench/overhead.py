@@ -29,6 +29,7 @@ PEER_ROUTES = (("vllm-router", "round_robin"), ("vllm-router", "cache_aware"),
                ("lmdeploy", "min_expected_latency"))
 # h100-qwen3-vl-8b at time scale 1.15 decodes a token in ~10 ms at low batch, as in peers.md's runs
 SIM_PRESET, SIM_TIME_SCALE = "h100-qwen3-vl-8b", 1.15
+TINY_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-qwen3-vl"
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Workload:
     concurrency: int
     max_tokens: int
     stream: bool
+    words: int = 40  # per prompt: 40 is ~240 tokens of the tiny model's tokenizer, 1700 ~10.3k
 
 
 def workloads(scale: float = 1.0) -> list[Workload]:
@@ -45,7 +47,9 @@ def workloads(scale: float = 1.0) -> list[Workload]:
         return max(20, int(x * scale))
 
     return [Workload("stream", n(2000), 64, 16, True), Workload("stress", n(6000), 256, 4, True),
-            Workload("nonstream", n(2000), 64, 16, False)]
+            Workload("nonstream", n(2000), 64, 16, False),
+            # 10k-token prompts, each new: the most a proxy counting exact tokens does per request
+            Workload("long", n(300), 16, 16, True, words=1700)]
 
 
 def _distinct_prompt(rng: random.Random, words: int = 40) -> str:
@@ -59,8 +63,8 @@ _VOCAB = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hote
 
 def make_specs(w: Workload, model: str, seed: int = 0) -> list[RequestSpec]:
     rng = random.Random(seed)
-    return [RequestSpec(chat_body(model, [{"role": "user", "content": _distinct_prompt(rng)}], w.max_tokens, w.stream))
-            for _ in range(w.requests)]
+    return [RequestSpec(chat_body(model, [{"role": "user", "content": _distinct_prompt(rng, w.words)}], w.max_tokens,
+                                  w.stream)) for _ in range(w.requests)]
 
 
 def _spread(before: list[dict[str, float]], after: list[dict[str, float]]) -> float | None:
@@ -81,7 +85,7 @@ def run_cell(fleet: Fleet, kind: str, policy: str, w: Workload, model: str, warm
     router = None if kind == "direct" else _start(kind, policy, fleet)
     try:
         targets: str | list[str] = fleet.urls if router is None else router.url
-        warm = Workload(w.name, warmup, w.concurrency, w.max_tokens, w.stream)
+        warm = Workload(w.name, warmup, w.concurrency, w.max_tokens, w.stream, w.words)
         # fresh prompts for every cell (and its warm-up): the sim caches prefixes, and a cell that
         # replayed an earlier cell's prompts ran ~30 ms faster to first token (measured)
         cell_seed = random.Random(f"{kind}:{policy}:{w.name}:{time.time()}").getrandbits(48)
@@ -230,7 +234,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run bench/bare_relay.py (round robin and nothing else: the floor of a Python relay)")
     p.add_argument("--peers", default=",".join(sorted({p for p, _ in PEER_ROUTES})),
                    help="peer routers to include, comma-separated")
-    p.add_argument("--workloads", default="stream,stress,nonstream")
+    p.add_argument("--workloads", default="stream,stress,nonstream", help="of stream, stress, nonstream, long")
+    p.add_argument("--tokenizer", default=str(TINY_MODEL) if (TINY_MODEL / "tokenizer.json").exists() else "none",
+                   help="checkpoint folder the sims count prompts with and hand the proxy, so it counts exact tokens "
+                        "as it does for vLLM workers (default: the tiny Qwen3-VL's when built; 'none': the sims' "
+                        "own rule and no tokenizer at the proxy)")
     p.add_argument("--repeats", type=int, default=3, help="runs of every route per workload (median and range)")
     p.add_argument("--out-dir", type=Path, default=None, help="results folder (default bench/results)")
     p.add_argument("--name", default="overhead")
@@ -251,8 +259,9 @@ def run(args: argparse.Namespace) -> int:
     model = "m"
     rows: list[dict[str, Any]] = []
     failed_cells: list[str] = []
+    tokenizer = [] if args.tokenizer == "none" else ["--tokenizer", args.tokenizer]
     spec = SimWorkerSpec(model=model, preset=SIM_PRESET, time_scale=SIM_TIME_SCALE,
-                         extra=["--max-num-seqs", "512"])
+                         extra=["--max-num-seqs", "512", *tokenizer])
     with Fleet(log_dir, [spec] * args.workers) as fleet:
         for w in chosen:
             for repeat in range(args.repeats):
@@ -262,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
                 for kind, policy in [routes[0], *middle, routes[-1]]:
                     print(f"[overhead] {w.name} #{repeat + 1} {kind}:{policy} ...", flush=True)
                     try:
-                        row = run_cell(fleet, kind, policy, w, model, min(args.warmup, w.requests))
+                        row = run_cell(fleet, kind, policy, w, model, min(args.warmup, max(20, w.requests // 10)))
                     except Exception as exc:  # one broken router must not cost the other cells
                         print(f"[overhead]   FAILED: {exc}", flush=True)
                         failed_cells.append(f"{w.name} #{repeat + 1} {kind}:{policy}: {str(exc)[:300]}")
@@ -272,11 +281,14 @@ def run(args: argparse.Namespace) -> int:
                           f"p99={ms(row['lat_p99'])}ms cpu/req={fmt(row['cpu_us_per_req'], digits=0)}us",
                           flush=True)
                     rows.append(row)
-    sizes = ("Fleet: {} sim workers, preset {} at time scale {} (~10 ms per decode step). {} repeat(s) per cell. "
+    sizes = ("Fleet: {} sim workers, preset {} at time scale {} (~10 ms per decode step){}. {} repeat(s) per cell. "
              "Workloads: {}.".format(
-        args.workers, SIM_PRESET, SIM_TIME_SCALE, args.repeats,
-        "; ".join(f"{w.name} = {w.requests} requests at concurrency {w.concurrency}, {w.max_tokens} tokens, "
-                  f"{'streaming' if w.stream else 'non-streaming'}" for w in chosen)))
+        args.workers, SIM_PRESET, SIM_TIME_SCALE,
+        "" if not tokenizer else f", counting prompts with {Path(args.tokenizer).name}'s tokenizer and handing it "
+                                 "to kvroute (exact prompt tokens)",
+        args.repeats,
+        "; ".join(f"{w.name} = {w.requests} requests at concurrency {w.concurrency}, {w.words}-word prompts, "
+                  f"{w.max_tokens} tokens, {'streaming' if w.stream else 'non-streaming'}" for w in chosen)))
     md_path = results_path(args.name, ".md", args.out_dir)
     text = render(rows, sizes) + "\n" + render_repeats(rows) + "".join(f"\n- cell not run: {f}" for f in failed_cells)
     text += "\nLatency CDFs: `kvroute bench plot` on the JSON beside this file.\n"

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 from proxy import gctuning
-from proxy.api import control, openapi, ops
+from proxy.api import control, openapi, ops, tokenizers
 from proxy.api import openai as openai_api
 from proxy.config import FleetConfig
 from proxy.errors import error_response, shutting_down
@@ -129,6 +129,7 @@ def build_app(config: FleetConfig, *, policy: str | None = None) -> web.Applicat
 
     openai_api.add_routes(app, registry, live)
     control.add_routes(app, registry, monitor, routing.queue_lengths)
+    tokenizers.add_routes(app, registry, routing.tokenizers)
     ops.add_routes(app, registry, metrics, routing.queue_lengths)
     openapi.add_routes(app)
     app.cleanup_ctx.append(_lifecycle)

@@ -2,22 +2,23 @@
 
 Owns validation of what the proxy itself relies on (`model`, `stream`, messages/prompt
 shape), the prefix hash chain, and the prompt-token estimate; it never changes the body.
+The exact count, where the model's tokenizer is known, is proxy/tokens/'s (RoutedRequest.tokens).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from proxy.errors import bad_request
+from proxy.tokens.media import image_size_from_data_url, media_uuid
+from proxy.tokens.prompt import PromptTokens
 
 # Prefix hashes cover the prompt in blocks of this many bytes (~32 text tokens), and at most
 # this many blocks: a longer prompt shares its first 64 KiB with another or not at all.
@@ -133,15 +134,33 @@ class RoutedRequest:
     session_key: str | None = None
     media_count: int = 0
     media_tokens: int = 0  # of prompt_tokens, the image/video tokens (priced with the vision encoder)
-    # The prompt as the engine tokenizes it, when the proxy knows it: token ids and each media item's
-    # (identifier, offset, length); routing hashes the engine's KV blocks from them (routing/cached_prefix.py)
-    token_ids: Sequence[int] | None = None
-    media_spans: Sequence[tuple[str, int, int]] = ()
+    # The prompt as the engine tokenizes it, where the model's tokenizer is known (proxy/tokens/store.py): counted
+    # before routing when the count matters (then exact_tokens, and prompt_tokens/media_tokens are the engine's),
+    # else on first use of `tokens.counted`.
+    tokens: PromptTokens | None = None
+    exact_tokens: bool = False
 
     @property
     def expected_kv_tokens(self) -> int:
         """KV tokens this request will hold at its peak: prompt plus what it will generate."""
         return self.prompt_tokens + self.expected_output_tokens
+
+    @property
+    def media_spans(self) -> list[tuple[str, int, int]] | None:
+        """Each media item's (name vLLM keys its KV blocks by, offset, length) within token_ids: the name is the
+        `uuid` the proxy gives it (tokens.media.media_uuid of a data: URL); None when one has no name the proxy
+        can know (an http(s) URL: the engine names it by the bytes it fetches) or the prompt is not counted."""
+        counted = self.tokens.counted if self.tokens is not None else None
+        if counted is None:
+            return None
+        if any(not m.url.startswith("data:") for m in counted.media):
+            return None
+        return [(media_uuid(m.url), m.offset, m.length) for m in counted.media]
+
+    @property
+    def token_ids(self) -> list[int] | None:
+        """The prompt's token ids as the engine sees them (media placeholders expanded); None where unknown."""
+        return self.tokens.token_ids if self.tokens is not None else None
 
     def body_for_model(self, served_name: str) -> bytes:
         """The body to forward: the original bytes, unless an alias must become the served name."""
@@ -369,57 +388,3 @@ def _media_tokens(part_type: str, locator: str) -> int:
     width, height = size
     tokens = math.ceil(width * height / PIXELS_PER_IMAGE_TOKEN)
     return min(max(tokens, MIN_IMAGE_TOKENS), MAX_IMAGE_TOKENS)
-
-
-# Enough of the base64 payload to reach a JPEG's frame header past typical EXIF blocks.
-_HEADER_B64_CHARS = 65536
-
-
-def image_size_from_data_url(url: str) -> tuple[int, int] | None:
-    """(width, height) read from the header of a base64 `data:` image, or None if unknown."""
-    comma = url.find(",")
-    if comma < 0 or ";base64" not in url[:comma]:
-        return None
-    chunk = url[comma + 1: comma + 1 + _HEADER_B64_CHARS]
-    chunk = chunk[: len(chunk) - len(chunk) % 4]
-    try:
-        head = base64.b64decode(chunk, validate=False)
-    except (binascii.Error, ValueError):
-        return None
-    return image_size(head)
-
-
-def image_size(head: bytes) -> tuple[int, int] | None:
-    """(width, height) from the first bytes of a PNG, GIF, JPEG or WebP file."""
-    if head.startswith(b"\x89PNG\r\n\x1a\n") and len(head) >= 24:
-        return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
-    if head[:6] in (b"GIF87a", b"GIF89a") and len(head) >= 10:
-        return int.from_bytes(head[6:8], "little"), int.from_bytes(head[8:10], "little")
-    if head.startswith(b"\xff\xd8"):
-        return _jpeg_size(head)
-    if head[:4] == b"RIFF" and head[8:12] == b"WEBP" and len(head) >= 30:
-        fourcc = head[12:16]
-        if fourcc == b"VP8X":
-            return 1 + int.from_bytes(head[24:27], "little"), 1 + int.from_bytes(head[27:30], "little")
-        if fourcc == b"VP8 ":
-            return int.from_bytes(head[26:28], "little") & 0x3FFF, int.from_bytes(head[28:30], "little") & 0x3FFF
-        if fourcc == b"VP8L":
-            bits = int.from_bytes(head[21:25], "little")
-            return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
-    return None
-
-
-def _jpeg_size(data: bytes) -> tuple[int, int] | None:
-    i = 2
-    while i + 9 < len(data):
-        if data[i] != 0xFF:
-            return None
-        marker = data[i + 1]
-        if marker == 0xFF:  # fill byte
-            i += 1
-            continue
-        length = int.from_bytes(data[i + 2:i + 4], "big")
-        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            return int.from_bytes(data[i + 7:i + 9], "big"), int.from_bytes(data[i + 5:i + 7], "big")
-        i += 2 + length
-    return None

@@ -1,4 +1,4 @@
 """The `sim` engine: a simulated vLLM worker (paged KV, prefix cache, continuous batching, roofline step time).
 
-Entry point: backends.sim.server.main (via `kvroute worker --engine sim`); nothing runs at import.
+Entry point: backends.sim.process.main (via `kvroute worker --engine sim`); nothing runs at import.
 """

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from backends.sim.tokens import MediaError, Prompt, chat_prompt, completion_prompt
+from backends.sim.tokens import MediaError, Prompt, chat_prompt, completion_prompt, exact_prompt
 
 # Without max_tokens a real model stops at EOS after a length we cannot know; the sim picks a
 # deterministic length in this range (per request seed) and finishes with "stop".
@@ -65,7 +65,9 @@ def _positive_int(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
-def parse_request(body: Any, kind: str, served_model: str, max_model_len: int, default_seed: int) -> ParsedRequest:
+def parse_request(body: Any, kind: str, served_model: str, max_model_len: int, default_seed: int,
+                  counter: Any = None) -> ParsedRequest:
+    """`counter`: a real tokenizer's (proxy.tokens PromptCounter) to count prompts with, else the sim's own rule."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     model = body.get("model", served_model)
@@ -86,7 +88,8 @@ def parse_request(body: Any, kind: str, served_model: str, max_model_len: int, d
             if continue_final and messages[-1].get("role") != "assistant":
                 raise ApiError(400, "Cannot set `continue_final_message` to True when the last message is not "
                                     "from the assistant.", param="messages")
-            prompt = chat_prompt(messages, add_generation_prompt, continue_final)
+            prompt = (exact_prompt(counter, body, True) if counter is not None else None) or chat_prompt(
+                messages, add_generation_prompt, continue_final)
             response_role = "assistant" if add_generation_prompt else str(messages[-1].get("role", "assistant"))
         else:
             response_role = "assistant"
@@ -97,7 +100,7 @@ def parse_request(body: Any, kind: str, served_model: str, max_model_len: int, d
                 raise ApiError(400, "the sim engine takes one prompt: a string or a list of token ids", param="prompt")
             if not isinstance(raw, (str, list)) or not raw:
                 raise ApiError(400, "prompt must be a non-empty string or list of token ids", param="prompt")
-            prompt = completion_prompt(raw)
+            prompt = (exact_prompt(counter, body, False) if counter is not None else None) or completion_prompt(raw)
     except MediaError as exc:
         raise ApiError(400, str(exc), param="messages") from exc
     prompt_len = len(prompt.token_ids)

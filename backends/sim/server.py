@@ -1,7 +1,7 @@
-"""`kvroute worker --engine sim`: the simulator's OpenAI-compatible HTTP server and its lifecycle.
+"""The simulator's OpenAI-compatible HTTP server: vLLM's routes over the sim engine.
 
-Owns the aiohttp routes, the fault flags, proxy registration/reporting, and drain on SIGTERM;
-engine behaviour lives in engine.py/scheduler.py, wire shapes in openai_api.py.
+Owns the aiohttp routes and the fault flags; the process around it (flags, registration and reports, drain
+on SIGTERM) is process.py's, engine behaviour engine.py's/scheduler.py's, wire shapes openai_api.py's.
 
 Faults: --fail-rate answers that fraction of completion requests with HTTP 500; --crash-after N
 serves N completion requests and exits abruptly (os._exit(1), no drain) when request N+1 arrives;
@@ -16,27 +16,22 @@ runs only the vision tower (encoder.py), and the others fetch its output when `e
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
 import random
-import signal
 import sys
 import time
 from typing import Any
-from urllib.parse import urlsplit
 
 import orjson
 from aiohttp import web
 
-from backends.address import advertise_url
-from backends.reporter import Load, ProxyReporter, parse_proxy_urls
-from backends.roles import role_labels, transfer_flag
+from backends.reporter import Load
 from backends.sim.encoder import EncoderCounters, EncoderOutputs, SimEncoder
 from backends.sim.engine import SimEngine
 from backends.sim.feed import StateFeed
-from backends.sim.kv_publisher import SimKvEvents, add_kv_event_routes, kv_event_configs
+from backends.sim.kv_publisher import SimKvEvents, add_kv_event_routes
 from backends.sim.metrics import CONTENT_TYPE, SimMetrics
 from backends.sim.openai_api import (
     ApiError,
@@ -46,9 +41,9 @@ from backends.sim.openai_api import (
     new_request_id,
     parse_request,
 )
-from backends.sim.presets import Preset, get_preset
+from backends.sim.presets import Preset
 from backends.sim.scheduler import SimRequest
-from backends.sim.tokens import chat_prompt, completion_prompt, public_token_ids
+from backends.sim.tokens import chat_prompt, completion_prompt, exact_prompt, public_token_ids
 from backends.sim.transfer import (
     KvHolder,
     KvPuller,
@@ -56,7 +51,6 @@ from backends.sim.transfer import (
     wants_remote_decode,
     wants_remote_prefill,
 )
-from proxy.protocol import WorkerRegistration
 
 log = logging.getLogger("kvroute.sim.server")
 
@@ -79,9 +73,10 @@ class SimServer:
     def __init__(self, preset: Preset, served_model_name: str, time_scale: float = 1.0, seed: int = 0,
                  fail_rate: float = 0.0, crash_after: int | None = None, stall_after: int | None = None,
                  role: str = "both", kv_transfer: dict[str, Any] | None = None,
-                 ec_transfer: dict[str, Any] | None = None) -> None:
+                 ec_transfer: dict[str, Any] | None = None, counter: Any = None) -> None:
         self.preset = preset
         self.role = role
+        self.counter = counter  # --tokenizer: a real tokenizer's PromptCounter (proxy/tokens), else None
         self.model = served_model_name
         self.engine = SimEngine(preset, time_scale)
         self.metrics = SimMetrics(self.engine, served_model_name)
@@ -203,9 +198,11 @@ class SimServer:
     async def tokenize(self, request: web.Request) -> web.Response:
         try:
             body = orjson.loads(await request.read())
-            if "messages" in body:
+            chat = "messages" in body
+            prompt = exact_prompt(self.counter, body, chat) if self.counter is not None else None
+            if prompt is None and chat:
                 prompt = chat_prompt(body["messages"], bool(body.get("add_generation_prompt", True)))
-            else:
+            elif prompt is None:
                 prompt = completion_prompt(body.get("prompt", ""))
         except (orjson.JSONDecodeError, ValueError, TypeError, AttributeError) as exc:
             return _error(400, f"cannot tokenize: {exc}", "BadRequestError")
@@ -243,7 +240,8 @@ class SimServer:
         try:
             body = orjson.loads(await request.read())
             parsed = parse_request(body, kind, self.model, self.engine.max_model_len,
-                                   default_seed=hash((self.seed, self.requests_received)) & 0x7FFFFFFF)
+                                   default_seed=hash((self.seed, self.requests_received)) & 0x7FFFFFFF,
+                                   counter=self.counter)
         except orjson.JSONDecodeError as exc:
             return _error(400, f"invalid JSON body: {exc}", "BadRequestError")
         except ApiError as exc:
@@ -345,99 +343,3 @@ class SimServer:
                     prefill_tokens_per_s=prefill_rate * scale if prefill_rate else None,
                     decode_step_s=decode_step / scale if decode_step else None,
                     max_num_batched_tokens=sched.max_num_batched_tokens)
-
-
-def build_preset(args: argparse.Namespace) -> Preset:
-    """The preset with command-line overrides; ValueError names the flag that is wrong."""
-    try:
-        preset = get_preset(args.preset)
-    except KeyError as exc:
-        raise ValueError(exc.args[0]) from None
-    preset = preset.with_overrides(
-        kv_capacity_tokens=args.kv_capacity_tokens, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    for flag, value in (("--block-size", preset.block_size), ("--max-num-seqs", preset.max_num_seqs),
-                        ("--max-num-batched-tokens", preset.max_num_batched_tokens)):
-        if value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
-    if preset.kv_capacity_tokens < preset.block_size:
-        raise ValueError(f"--kv-capacity-tokens ({preset.kv_capacity_tokens}) must hold at least one block "
-                         f"of {preset.block_size} tokens")
-    if args.time_scale <= 0:
-        raise ValueError(f"--time-scale must be positive, got {args.time_scale}")
-    if not 0.0 <= args.fail_rate <= 1.0:
-        raise ValueError(f"--fail-rate must be between 0 and 1, got {args.fail_rate}")
-    return preset
-
-
-async def serve(args: argparse.Namespace, preset: Preset) -> int:
-    model = args.served_model_name or preset.served_model_name
-    if args.slow_start > 0:
-        log.info("--slow-start: waiting %.1fs before listening", args.slow_start)
-        await asyncio.sleep(args.slow_start)
-    kv_transfer = transfer_flag(args.kv_transfer, "--kv-transfer")
-    server = SimServer(preset, model, time_scale=args.time_scale, seed=args.seed, fail_rate=args.fail_rate,
-                       crash_after=args.crash_after, stall_after=args.stall_after, role=args.role,
-                       kv_transfer=kv_transfer, ec_transfer=transfer_flag(args.ec_transfer, "--ec-transfer"))
-    runner = web.AppRunner(server.build_app(), access_log=None, handler_cancellation=True,
-                            shutdown_timeout=2.0)
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # real port when --port 0
-    print(f"kvroute-sim listening on http://{args.host}:{port}", flush=True)
-    loopback = args.host in ("127.0.0.1", "localhost", "::1")
-    server.set_endpoint(args.host if args.host not in ("0.0.0.0", "::", "") else "127.0.0.1", port)
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-
-    server.kv_events = SimKvEvents(server.engine, forward=bool(args.proxy_url) and not args.no_kv_events,
-                                   configs=kv_event_configs(args.kv_events_config))
-    await server.kv_events.start()
-    reporter = None
-    if args.proxy_url:
-        # bound to 0.0.0.0: the address the route to the proxy leaves from (never 0.0.0.0 to dial)
-        url = await asyncio.to_thread(advertise_url, args.advertise_url, args.host, port,
-                                      parse_proxy_urls(args.proxy_url))
-        if not loopback:  # other workers pull KV where the proxy reaches this one
-            server.set_endpoint(urlsplit(url).hostname or args.host, port)
-        registration = WorkerRegistration(
-            worker_id=args.worker_id, url=url, models=[model], engine="sim",
-            kv_capacity_tokens=server.engine.kv.num_blocks * server.engine.kv.block_size,
-            max_model_len=server.engine.max_model_len, labels={"preset": preset.name, **role_labels(kv_transfer)},
-            role=args.role)
-        reporter = ProxyReporter(args.proxy_url, registration, server.load_reading, token=args.proxy_token,
-                                 kv_events=server.kv_events.mirror)
-        await reporter.start()
-
-    await stop.wait()
-    log.info("stopping: draining %d in-flight requests (grace %.1fs)", server.in_flight, args.drain_grace_s)
-    server.draining = True
-    if reporter is not None:
-        await reporter.set_state("draining")
-    try:
-        await asyncio.wait_for(server.idle.wait(), timeout=args.drain_grace_s)
-    except TimeoutError:
-        log.warning("drain grace over with %d requests in flight", server.in_flight)
-    if reporter is not None:
-        await reporter.stop()
-    await server.kv_events.stop()
-    await runner.cleanup()
-    return 0
-
-
-def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        preset = build_preset(args)
-        kv_event_configs(args.kv_events_config)
-    except ValueError as exc:
-        print(f"kvroute worker: error: {exc}", file=sys.stderr)
-        return 2
-    import uvloop
-
-    return uvloop.run(serve(args, preset))

@@ -1,7 +1,8 @@
 """Deterministic token estimates for the sim engine: text, Qwen3-VL images/videos, chat template, filler output.
 
 Owns turning a request body into token ids (and back into filler text); it does not
-schedule or cost them. No real tokenizer: the rules below are an approximation, stable run to run.
+schedule or cost them. No real tokenizer unless `--tokenizer DIR` gives one (exact_prompt): otherwise the
+rules below are an approximation, stable run to run.
 
 Text rule: the text is split into pieces (a word with at most one leading space, a run of digits,
 one punctuation mark, one CJK character, or a run of whitespace). A word costs ceil(len/6) tokens
@@ -236,6 +237,26 @@ def chat_prompt(messages: list[dict[str, Any]], add_generation_prompt: bool = Tr
         ids.append(IM_START)
         ids.extend(text_token_ids("assistant\n"))
     return Prompt(ids, spans, keys, names)
+
+
+def exact_prompt(counter: Any, body: dict[str, Any], chat: bool) -> Prompt | None:
+    """The prompt as the model's real tokenizer and chat template count it (the sim's --tokenizer: a
+    proxy.tokens PromptCounter), each image's placeholders given ids from its content as above; None where that
+    counter cannot count it (then the rule above applies)."""
+    from proxy.tokens.counter import Uncountable
+
+    try:
+        counted = counter.count(body, chat)
+    except Uncountable:
+        return None
+    ids = list(counted.token_ids)
+    spans = []
+    for item in counted.media:
+        ids[item.offset:item.offset + item.length] = _media_ids(item.length, _media_key(item.url.encode()))
+        spans.append((item.offset, item.length))
+    messages = body.get("messages") or [{}]
+    continues = chat and body.get("continue_final_message") is True and bool(messages[-1].get("content"))
+    return Prompt(ids, spans, continues=continues)
 
 
 def completion_prompt(prompt: str | list[int]) -> Prompt:

@@ -19,6 +19,7 @@ from proxy.dataplane.trip import Trip
 from proxy.live import LiveConfig
 from proxy.metrics import ProxyMetrics
 from proxy.request import CHAT, RoutedRequest, parse_request
+from proxy.routing.media_ids import body_with_media_uuids
 from proxy.routing.service import RoutingService
 from proxy.security.clientauth import ClientAuth
 from proxy.security.limits import check_request
@@ -57,6 +58,7 @@ class Intake:
         trip.model_label = self.metrics.model_label(routed.model)
         served = self.routing.resolve_model(routed.model)
         trip.model_label = served
+        await self.routing.tokenizers.count(routed, served)  # the engine's own count where it matters
         trip.watch.parsed(served, routed.stream, principal, routed.prompt_tokens)
         check_request(routed, self.live.config, served)
         await self.client_auth.admit(principal, served, routed.expected_kv_tokens)
@@ -67,7 +69,8 @@ class Intake:
         trip.routed = routed
         trip.served = served
         trip.policy = self.routing.policy_for(served)
-        trip.body = routed.body_for_model(served)
+        # an inline image goes upstream with its name (`uuid`), so the engine keys its KV blocks as the proxy does
+        trip.body = body_with_media_uuids(routed, served) if routed.media_count else routed.body_for_model(served)
         trip.head = UpstreamHead(trip.req, trip.rid, self.instance_id, trip.watch.replaces)
         trip.mode = STREAM if routed.stream else WHOLE
         trip.tracker = self._tracker(routed)

@@ -25,10 +25,11 @@ from typing import Any
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError, no_healthy_worker
 from proxy.registry import Registry, Worker
-from proxy.request import CHAT, RoutedRequest
+from proxy.request import RoutedRequest
 from proxy.routing.base import Decision, Policy
 from proxy.routing.candidates import CandidateIndex, Candidates
 from proxy.routing.estimator import FleetEstimator
+from proxy.tokens.limits import context_need, context_refusal
 
 log = logging.getLogger("kvroute.admission")
 
@@ -135,20 +136,14 @@ class AdmissionController:
         From the candidate index's rosters (no per-worker work); the registry's list is filtered here
         only where the index has no roster to offer (none untried fits, or only stale workers are left).
         """
-        output = _explicit_max_tokens(routed.payload)
-        needed = routed.prompt_tokens + output
+        needed = context_need(routed)  # 0 unless the prompt was counted exactly: only then is one refused
         found = self.candidate_index.find(served, needed, tried)
         if found is not None:
             return found
         candidates = self.registry.candidates(served, exclude=tried)
         fits = [w for w in candidates if w.max_model_len is None or needed <= w.max_model_len]
         if candidates and not fits:
-            limit = max(w.max_model_len or 0 for w in candidates)
-            where = "messages" if routed.kind == CHAT else "prompt"
-            raise ProxyError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                                  f"{needed} tokens (about {routed.prompt_tokens} in the {where}, {output} in the "
-                                  f"completion). Please reduce the length of the {where} or completion.",
-                             "invalid_request_error", code="context_length_exceeded", param=where)
+            raise context_refusal(routed, max(w.max_model_len or 0 for w in candidates))
         return Candidates.of(fits)
 
     # --- holding -----------------------------------------------------------------------------
@@ -231,12 +226,3 @@ class AdmissionController:
 
     def queue_lengths(self) -> dict[str, int]:
         return {model: len(q) for model, q in self._queues.items()}
-
-
-def _explicit_max_tokens(payload: dict[str, Any]) -> int:
-    """max_completion_tokens / max_tokens when the client gave one (vLLM adds it to the prompt's length)."""
-    for key in ("max_completion_tokens", "max_tokens"):
-        value = payload.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return 0

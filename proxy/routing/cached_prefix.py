@@ -39,8 +39,10 @@ class CachedPrefix:
         """For each worker (among `worker_ids`; None: any) with some of the prompt cached, how many tokens."""
         cached: dict[str, int] = {}
         exact_ids: set[str] = set()
-        if request.token_ids is not None:
-            for scheme, ids in self.exact.exact_by_scheme().items():
+        schemes = self.exact.exact_by_scheme()
+        # token ids are counted on first use (proxy/tokens): only where some engine's exact view can use them
+        if schemes and request.token_ids is not None and request.media_spans is not None:
+            for scheme, ids in schemes.items():
                 wanted = ids if worker_ids is None else ids.intersection(worker_ids)
                 if not wanted:
                     continue
@@ -69,7 +71,7 @@ class CachedPrefix:
         """`request` was sent to `worker_id`: both indexes learn it."""
         if request.prefix_hashes:
             self.approximate.insert(request.prefix_hashes, worker_id, now, request.prefix_tokens)
-            if request.token_ids is not None and self.exact.exact_by_scheme():  # only exact views read it
+            if self.exact.exact_by_scheme() and request.token_ids is not None:  # only exact views read it
                 self.recent.insert(request.prefix_hashes, worker_id, now, request.prefix_tokens)
 
     def block_hashes(self, request: RoutedRequest, scheme: HashScheme) -> Sequence[int]:
@@ -82,7 +84,7 @@ class CachedPrefix:
         # vLLM leaves at least the prompt's last token to compute: a prompt never hits its own last block
         usable = min((len(token_ids) - 1) // scheme.block_size, MAX_REQUEST_BLOCKS)
         salt = request.payload.get("cache_salt")
-        hashes = block_hashes(scheme, token_ids, request.media_spans, salt if isinstance(salt, str) else None,
+        hashes = block_hashes(scheme, token_ids, request.media_spans or (), salt if isinstance(salt, str) else None,
                               max_blocks=usable) if usable > 0 else []
         self._memo = (request, scheme, hashes)
         return hashes

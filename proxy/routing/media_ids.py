@@ -13,20 +13,14 @@ image on. A part that already has a `uuid` keeps it (the caller's promise that i
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import orjson
 
 from proxy.request import RoutedRequest
+from proxy.tokens.media import media_uuid
 
 MEDIA_PARTS = ("image_url", "video_url")
-_PREFIX = "kvr-"
-
-
-def media_uuid(url: str) -> str:
-    """kvroute's name for the media item inline in `url` (the whole data: URL hashed: equal bytes, equal name)."""
-    return _PREFIX + hashlib.blake2b(url.encode(), digest_size=16).hexdigest()
 
 
 def part_identifier(part: dict[str, Any]) -> str | None:

@@ -19,6 +19,7 @@ from proxy.registry import Registry
 from proxy.request import RoutedRequest
 from proxy.routing.admission import AdmissionController
 from proxy.routing.base import Decision, Policy
+from proxy.tokens.store import TokenizerStore
 
 
 @dataclass(slots=True)
@@ -39,6 +40,7 @@ class RoutingService:
         self.live = live
         self.registry = registry
         self.admission = AdmissionController(registry, live.proxy, live.policies.deps.estimator)
+        self.tokenizers = TokenizerStore(registry)  # each served model's, as its workers hand them over
         live.follow(self._follow)
 
     def _follow(self, live: LiveConfig) -> None:

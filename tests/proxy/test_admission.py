@@ -189,16 +189,40 @@ def test_a_request_for_a_model_without_workers_yet_waits_for_the_first_to_regist
     asyncio.run(scenario())
 
 
-def test_a_prompt_that_fits_no_worker_is_refused_400_context_length_exceeded():
+def counted(request, prompt_tokens: int):
+    """`request` as if its model's tokenizer had counted it: `prompt_tokens` is the engine's own count."""
+    request.prompt_tokens, request.exact_tokens = prompt_tokens, True
+    return request
+
+
+def test_a_counted_prompt_that_fits_no_worker_is_refused_400_with_the_engines_message():
     _, _, admission, policy = setup({"a": 4096, "b": 8192})
     with pytest.raises(ProxyError) as refused:
-        admit_without_suspending(admission, policy, chat("word " * 8000, max_tokens=100))  # ~10k tokens
+        admit_without_suspending(admission, policy, counted(chat("word " * 8000, max_tokens=100), 9000))
     error = refused.value
-    assert error.status == 400 and error.code == "context_length_exceeded" and error.param == "messages"
-    assert error.err_type == "invalid_request_error" and "maximum context length is 8192 tokens" in error.message
-    # max_tokens counts too, as vLLM checks it: prompt ~2000 + 7000 > 8192
-    with pytest.raises(ProxyError):
-        admit_without_suspending(admission, policy, chat("word " * 1600, max_tokens=7000))
+    assert error.status == 400 and error.code == "context_length_exceeded" and error.param == "input_tokens"
+    assert error.err_type == "invalid_request_error"
+    assert error.message == ("This model's maximum context length is 8192 tokens. However, your prompt contains "
+                             "at least 8193 input tokens, which exceeds this limit even without any output tokens. "
+                             "Please reduce the length of the input prompt. (parameter=input_tokens, value=8193)")
+    # vLLM 0.32 takes a prompt one token short of max_model_len, cutting max_tokens to what is left ...
+    assert admit_without_suspending(admission, policy, counted(chat(max_tokens=7000), 8191)).worker.worker_id == "b"
+    assert admit_without_suspending(admission, policy, counted(chat(max_tokens=None), 8191)).worker.worker_id == "b"
+    # ... but none that leaves nothing to generate, nor a max_tokens past max_model_len
+    with pytest.raises(ProxyError) as full:
+        admit_without_suspending(admission, policy, counted(chat(max_tokens=None), 8192))
+    assert full.value.message == "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"
+    with pytest.raises(ProxyError) as too_many:
+        admit_without_suspending(admission, policy, counted(chat(max_tokens=9000), 10))
+    assert too_many.value.param == "max_tokens" and too_many.value.message.startswith(
+        "max_tokens=9000 cannot be greater than max_model_len=8192.")
+
+
+def test_an_estimated_prompt_is_never_refused_for_its_length():
+    """Without the model's tokenizer the count is a guess: the engine judges, and its answer goes back."""
+    _, _, admission, policy = setup({"a": 4096, "b": 8192})
+    decision = admit_without_suspending(admission, policy, chat("word " * 12000, max_tokens=9000))  # ~12k tokens
+    assert decision.worker.worker_id in ("a", "b")
 
 
 def test_a_prompt_that_fits_only_some_workers_goes_only_to_those():
@@ -206,7 +230,8 @@ def test_a_prompt_that_fits_only_some_workers_goes_only_to_those():
     report(registry, "small", 0.0)
     report(registry, "big", 0.9, running=50)  # busier, but the only one the prompt fits
     for i in range(5):
-        decision = admit_without_suspending(admission, policy, chat(f"{i} " + "word " * 4000, max_tokens=64))
+        decision = admit_without_suspending(admission, policy, counted(chat(f"{i} " + "word " * 4000, max_tokens=64),
+                                                                       5000))
         assert decision.worker.worker_id == "big"
     assert admit_without_suspending(admission, policy, chat("short")).worker.worker_id == "small"
 

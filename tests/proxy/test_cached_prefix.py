@@ -8,6 +8,7 @@ prompt to a worker whose engine evicted it, which the approximate index cannot k
 from __future__ import annotations
 
 import random
+from array import array
 
 import orjson
 
@@ -19,6 +20,7 @@ from proxy.request import CHAT, parse_request
 from proxy.routing.base import PolicyDeps, make_policy
 from proxy.routing.block_hash import HashScheme, block_hashes
 from proxy.routing.prefix_index import PrefixIndex
+from proxy.tokens.prompt import CountedPrompt, PromptTokens
 
 NOW = 500.0
 SCHEME = HashScheme(16)
@@ -49,8 +51,10 @@ def chat(question: str, token_ids: list[int] | None):
     body = orjson.dumps({"model": "m", "messages": [{"role": "system", "content": SYSTEM},
                                                     {"role": "user", "content": question}], "max_tokens": 16})
     request = parse_request(body, CHAT)
-    if token_ids is not None:  # as proxy/request.py's tokenizer will give them
-        request.token_ids, request.prompt_tokens = token_ids, len(token_ids)
+    if token_ids is not None:  # as proxy/tokens' counter gives them: the engine's own ids, counted
+        request.tokens = PromptTokens(lambda: None)
+        request.tokens.set(CountedPrompt([array("q", token_ids)], len(token_ids)))
+        request.prompt_tokens = len(token_ids)
     return request
 
 

@@ -205,12 +205,14 @@ def test_forgotten_dispatches_reorder_workers_no_event_touched():
 def test_a_request_longer_than_some_workers_context_goes_only_to_the_others_and_400_past_all():
     fleet = Fleet(100, 9, max_model_len={0: 2048, 1: 8192, 2: 32768})  # a quarter has no stated limit
     short, long_ = chat(1, None), chat(2, None, max_tokens=6000)
+    long_.exact_tokens = True  # as its model's tokenizer counts it: only an exact count rules a worker out
     assert len(fleet.candidates(short)) == 100
     fitting = fleet.candidates(long_)
     assert len(fitting) == 75 and all(w.max_model_len != 2048 for w in fitting.workers)
     for _ in range(50):
         assert fleet.policy.select_from(fitting, long_, fleet.clock.now).worker.max_model_len != 2048
     huge = chat(3, None, max_tokens=40_000)
+    huge.exact_tokens = True
     assert {w.max_model_len for w in fleet.candidates(huge).workers} == {None}
     bounded = Fleet(30, 2, max_model_len={0: 2048, 1: 8192, 2: 32768, 3: 4096})
     with pytest.raises(ProxyError) as refused:
