@@ -7,6 +7,7 @@ no I/O. Handlers and policies ask it questions through methods; proxy/monitor.py
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable, Iterable
 from enum import StrEnum
@@ -15,6 +16,7 @@ from urllib.parse import urlsplit
 
 from proxy.loadview import EngineReading, WorkerLoad
 from proxy.protocol import STALE_AFTER_S, LoadReport, WorkerRegistration
+from proxy.security.identifiers import MAX_WORKER_ID_CHARS
 
 
 class WorkerState(StrEnum):
@@ -141,11 +143,14 @@ class Worker:
 MAX_CACHED_MODELS = 256
 # A registration may take over the id or URL of a worker silent (and stale/unhealthy) this long.
 TAKEOVER_AFTER_S = 10.0
+_NOT_IN_WORKER_ID = re.compile(r"[^A-Za-z0-9._@~+-]+")
 
 
 def worker_id_from_url(url: str) -> str:
+    """An id for a worker registered by URL alone: its host and port, in the worker-id grammar
+    (proxy/security/identifiers.py): `http://10.0.0.5:8101` -> `10.0.0.5-8101`, `http://[::1]:9` -> `1-9`."""
     parts = urlsplit(url)
-    return (parts.netloc or url).replace(":", "-").replace("/", "-")
+    return _NOT_IN_WORKER_ID.sub("-", parts.netloc or url).strip("-.~+@")[:MAX_WORKER_ID_CHARS] or "worker"
 
 
 # A membership or report change, for listeners such as proxy/state.py's Redis mirror:
