@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from proxy import promtext
+from proxy.protocol import MAX_KV_CAPACITY_TOKENS, MAX_REQUESTS
 
 # A reading arriving this long after a dispatch already shows that request (as KV use or as
 # num_waiting): network + the engine's API front end (tokenizing, image preprocessing). Measured on vLLM
@@ -383,7 +384,15 @@ def parse_engine_metrics(text: str) -> EngineReading | None:
     usage = promtext.kv_usage(metrics, _USAGE)
     if usage is None:
         return None
-    running = sum(int(metrics.total(name) or 0) for name in _RUNNING)
-    waiting = sum(int(metrics.total(name) or 0) for name in _WAITING)
-    hit_rate = metrics.mean(_HIT_RATE) or 0.0
-    return EngineReading(usage, running, waiting, promtext.kv_capacity_tokens(metrics, _CACHE_INFO), hit_rate)
+    # what a report may say (proxy/protocol.py's bounds): an engine's /metrics is as untrusted as a report
+    running = _count(sum(metrics.total(name) or 0 for name in _RUNNING))
+    waiting = _count(sum(metrics.total(name) or 0 for name in _WAITING))
+    hit_rate = min(max(metrics.mean(_HIT_RATE) or 0.0, 0.0), 1.0)
+    capacity = promtext.kv_capacity_tokens(metrics, _CACHE_INFO)
+    if capacity is not None and not 0 < capacity <= MAX_KV_CAPACITY_TOKENS:
+        capacity = None
+    return EngineReading(usage, running, waiting, capacity, hit_rate)
+
+
+def _count(value: float) -> int:
+    return int(min(max(value, 0), MAX_REQUESTS))
