@@ -7,6 +7,7 @@ probing a URL-only worker in the monitor.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
@@ -21,13 +22,20 @@ from yarl import URL
 from proxy import protocol
 from proxy.config import ProxyConfig
 from proxy.errors import error_response
-from proxy.monitor import HealthMonitor
+from proxy.monitor import PROBE_MODELS_DEADLINE_S, HealthMonitor
 from proxy.protocol import LoadReport, RegistrationAccepted, ReportAccepted, WorkerRegistration
 from proxy.registry import Registry, Worker, WorkerState, worker_id_from_url
 from proxy.security import browser, peer
+from proxy.security import identifiers as ids
 from proxy.security.browser import OwnNames
 from proxy.security.controlauth import ADMIN_WHAT, Caller, ControlAuth, new_secret, secret_hash
-from proxy.security.networks import IPNetwork, WorkerUrlRefused, check_worker_url, parse_networks
+from proxy.security.networks import (
+    IPNetwork,
+    WorkerUrlRefused,
+    canonical_url,
+    check_worker_url,
+    parse_networks,
+)
 from proxy.security.redact import redact_mapping, redact_text
 
 log = logging.getLogger("kvroute.control")
@@ -125,8 +133,10 @@ def auth_middleware(config: ProxyConfig) -> Callable[..., Awaitable[web.StreamRe
         if need == "owner" and caller.has_credential:
             registry = request.app.get(_REGISTRY_KEY)
             worker = registry.get(worker_id) if registry is not None and worker_id is not None else None
-            if worker_id is None or worker is None or caller.owns(worker.secret_hash):
-                return await handler(request)  # unknown: 404, so a forgotten worker registers again
+            if worker_id is None or (worker is not None and caller.owns(worker.secret_hash)):
+                return await handler(request)
+            # Unknown, or another worker's: one answer for both (401, or 403 for a credential valid elsewhere),
+            # so that no credential tells which ids exist; a worker the proxy forgot registers again on 401.
         registry = request.app.get(_REGISTRY_KEY)
         hashes = _secret_hashes(registry) if registry is not None and caller.has_credential else []
         return auth.denied(caller, ADMIN_WHAT if need in ("admin", "read") else "this worker route", hashes)
@@ -200,6 +210,7 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
         if not _is_worker_url(reg.url):
             return error_response(400, f"`url` must be http(s)://host[:port] without credentials, query or "
                                        f"fragment, got {redact_text(reg.url)!r}.", param="url", code="invalid_url")
+        reg = reg.model_copy(update={"url": canonical_url(reg.url)})  # one spelling per address
         access = _access(request)
         worker_id = reg.worker_id or worker_id_from_url(reg.url)
         holders = registry.holders(worker_id, reg.url)
@@ -260,12 +271,13 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
     async def nodes_add(request: web.Request) -> web.Response:
         body = await _json_body(request)
         url = body.get("url") if isinstance(body, dict) else None
-        if not isinstance(url, str) or not _is_worker_url(url):
+        if not isinstance(url, str) or len(url) > ids.MAX_URL_CHARS or not _is_worker_url(url):
             return error_response(400, "`url` (http://host:port, no credentials, query or fragment) is required.",
                                   param="url")
         access = _access(request)
         if not access.caller.may_register:
             return access.auth.denied(access.caller, "registering workers")
+        url = canonical_url(url)
         # LMDeploy bound to 0.0.0.0 announces http://0.0.0.0:PORT: dial the address it called us from.
         url, unspecified = _from_caller(url, access.caller.host)
         if unspecified:
@@ -278,6 +290,14 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
         labels = {"role": str(status.get("role", "Hybrid"))}
         if isinstance(status.get("speed"), int | float):
             labels["speed"] = str(status["speed"])
+        try:
+            for model in models[:ids.MAX_MODELS_PER_WORKER + 1]:
+                ids.model_name(model)
+            if len(models) > ids.MAX_MODELS_PER_WORKER:
+                raise ids.UnsafeIdentifier(f"at most {ids.MAX_MODELS_PER_WORKER} models per worker")
+            ids.labels(labels)
+        except ids.UnsafeIdentifier as exc:
+            return error_response(400, f"Invalid node status: {exc}.", param="status", code="invalid_identifier")
         if (refused := await _refuse_url(request, url)) is not None:
             return refused  # before any probe: no request reaches an address outside the allowlist
         worker_id = worker_id_from_url(url)
@@ -289,11 +309,15 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
         previous = registry.get(worker_id)
         was_drained = previous is not None and previous.drain_requested
         secret = new_secret()
+        deadline = asyncio.get_running_loop().time() + PROBE_MODELS_DEADLINE_S
         try:
-            worker = await monitor.add_by_url(url, models or None, source="nodes", labels=labels,
-                                              secret_hash=secret_hash(secret))
+            worker = await asyncio.wait_for(monitor.add_by_url(url, models or None, source="nodes", labels=labels,
+                                                               secret_hash=secret_hash(secret)),
+                                            PROBE_MODELS_DEADLINE_S)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
-            # One answer for a closed port, a timeout, a redirect or a non-OpenAI server: no port scanner.
+            # One answer, at one time, for a closed port, a silent one, a redirect or a non-OpenAI server:
+            # neither its words nor its timing tell a port scanner which ports are open.
+            await asyncio.sleep(max(0.0, deadline - asyncio.get_running_loop().time()))
             return error_response(400, "Could not list the models of that URL (GET /v1/models).", param="url",
                                   code="worker_unreachable")
         if was_drained:  # a re-announcement does not undo an operator's drain
@@ -307,15 +331,18 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
         if url is None:
             body = await _json_body(request)
             url = body.get("url") if isinstance(body, dict) else None
-        if not isinstance(url, str):
+        if not isinstance(url, str) or len(url) > ids.MAX_URL_CHARS:
             return error_response(400, "`url` is required.", param="url")
+        if _is_worker_url(url):
+            url = canonical_url(url)
         target = next((w for w in registry.workers() if w.url == url.rstrip("/")), None)
         access = _access(request)
-        if target is not None and not access.caller.admin and not access.caller.owns(target.secret_hash):
+        if not access.caller.admin and (target is None or not access.caller.owns(target.secret_hash)):
+            # unknown, or not this caller's: one answer (no oracle of which URLs are registered)
             return access.auth.denied(access.caller, "removing this node", _secret_hashes(registry))
         worker = registry.remove_url(url) if target is not None else None
         if worker is None:
-            return error_response(404, f"No node with url {redact_text(url)}.", code="worker_not_found")
+            return error_response(404, f"No node with url {redact_text(ids.for_log(url))}.", code="worker_not_found")
         return _json({"removed": worker.worker_id, "message": "Deleted successfully"})
 
     async def nodes_status(request: web.Request) -> web.Response:
@@ -389,10 +416,12 @@ def _json(body: object, status: int = 200) -> web.Response:
 
 
 def _invalid(exc: ValidationError) -> web.Response:
-    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
+    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg'].removeprefix('Value error, ')}"
+                         for e in exc.errors())
     first = exc.errors()[0]["loc"] if exc.errors() else ()
     return error_response(400, f"Invalid body: {problems}", param=".".join(str(p) for p in first) or None)
 
 
 def _unknown(worker_id: str) -> web.Response:
-    return error_response(404, f"No worker `{worker_id}` is registered.", code="worker_not_found")
+    return error_response(404, f"No worker `{ids.for_log(worker_id, 128)}` is registered.", code="worker_not_found")
+
