@@ -135,14 +135,24 @@ class ProxyConfig(_Strict):
     drain_grace_s: float = Field(30.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     api_keys: list[ApiKey] | str | None = Field(
-        None, description="client API keys for /v1/*: a list, or a file (one key or sha256:HEX per line, or a YAML "
-                          "list of entries); also --api-keys FILE and KVROUTE_API_KEYS (comma-separated)")
+        None, description="client API keys for /v1/*: a list (of keys as plain strings, as vLLM's --api-key takes "
+                          "them, or entries), or a file (one key or sha256:HEX per line, or a YAML list of entries); "
+                          "also --api-keys FILE and KVROUTE_API_KEYS (comma-separated)")
     metrics_token: str | None = Field(None, description="bearer token for GET /metrics besides any API key")
     otlp_endpoint: str | None = Field(None, description=(
         "OpenTelemetry collector (OTLP/HTTP, e.g. http://127.0.0.1:4318): one trace per /v1 request; unset: "
         "OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing"))
     access_log: bool = Field(True, description="one JSON line per /v1 request on the kvroute.access logger (INFO)")
     limits: ProxyLimits = Field(default_factory=ProxyLimits)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _plain_keys(cls, v: Any) -> Any:
+        """`api_keys: [sk-abc, {key_sha256: ..., models: [...]}]`: a plain string is a key of its own."""
+        if isinstance(v, list):
+            return [{"key": str(item)} if isinstance(item, str | int) and not isinstance(item, bool) else item
+                    for item in v]
+        return v
 
     @field_validator("admin_token", "worker_token")
     @classmethod
