@@ -172,8 +172,23 @@ class ProxyConfig(_Strict):
         return v
 
 
+class StateTLS(_Strict):
+    """TLS to Redis (a rediss:// URL turns it on with the system's CAs)."""
+
+    ca_file: str | None = Field(None, description="CA bundle that signed Redis's certificate")
+    cert_file: str | None = Field(None, description="client certificate, when Redis asks for one")
+    key_file: str | None = Field(None, description="its private key")
+    check_hostname: bool = True
+
+
 class StateConfig(_Strict):
     url: str = Field("memory", description="'memory' or redis://host:port/db")
+    username: str | None = Field(None, description="Redis ACL user (with password)")
+    password: str | None = Field(None, repr=False, description="Redis AUTH password, e.g. ${KVROUTE_REDIS_PASSWORD}")
+    tls: StateTLS | None = Field(None, description="TLS options for Redis; set: TLS on")
+    secret_key: str | None = Field(None, repr=False, min_length=16, description=(
+        "encrypts the engine API keys kept in Redis (AES-GCM); replicas must share it. Unset: derived from "
+        "proxy.admin_token"))
     ray_address: str | None = Field(None, description="Ray cluster for placement: ray (e.g. 'auto')")
     ray_gpu_resource: str = Field("GPU", min_length=1,
                                   description="Ray resource a replica holds gpus_per_replica of; 'GPU' = num_gpus")

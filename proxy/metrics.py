@@ -90,6 +90,9 @@ class ProxyMetrics:
                                   "mid-stream (continued), ended with an error event (failed), and non-streamed "
                                   "requests started again elsewhere after their worker broke (restarted)",
                                   ["model", "outcome"], registry=r)
+        self.redis_events_dropped = CachedCounter(
+            "kvroute:redis_dropped", "Events and worker entries read from Redis that were malformed or not allowed "
+            "(dropped, never applied), by reason", ["reason"], registry=r)
         r.register(_WorkerGauges(registry))
         # Worker ids churn (a new generation per restart): a removed worker's label sets go with it, or
         # /metrics would grow for as long as the proxy runs.
@@ -109,6 +112,9 @@ class ProxyMetrics:
             self._model_labels.add(name)
             return name
         return OTHER
+
+    def redis_dropped(self, reason: str) -> None:
+        self.redis_events_dropped.labels(reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.collector_registry)

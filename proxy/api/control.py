@@ -34,6 +34,7 @@ from proxy.security.networks import (
     WorkerUrlRefused,
     canonical_url,
     check_worker_url,
+    is_worker_url,
     parse_networks,
 )
 from proxy.security.redact import redact_mapping, redact_text
@@ -207,7 +208,7 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
             reg = WorkerRegistration.model_validate_json(await request.read())
         except ValidationError as exc:
             return _invalid(exc)
-        if not _is_worker_url(reg.url):
+        if not is_worker_url(reg.url):
             return error_response(400, f"`url` must be http(s)://host[:port] without credentials, query or "
                                        f"fragment, got {redact_text(reg.url)!r}.", param="url", code="invalid_url")
         reg = reg.model_copy(update={"url": canonical_url(reg.url)})  # one spelling per address
@@ -271,7 +272,7 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
     async def nodes_add(request: web.Request) -> web.Response:
         body = await _json_body(request)
         url = body.get("url") if isinstance(body, dict) else None
-        if not isinstance(url, str) or len(url) > ids.MAX_URL_CHARS or not _is_worker_url(url):
+        if not isinstance(url, str) or len(url) > ids.MAX_URL_CHARS or not is_worker_url(url):
             return error_response(400, "`url` (http://host:port, no credentials, query or fragment) is required.",
                                   param="url")
         access = _access(request)
@@ -333,7 +334,7 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
             url = body.get("url") if isinstance(body, dict) else None
         if not isinstance(url, str) or len(url) > ids.MAX_URL_CHARS:
             return error_response(400, "`url` is required.", param="url")
-        if _is_worker_url(url):
+        if is_worker_url(url):
             url = canonical_url(url)
         target = next((w for w in registry.workers() if w.url == url.rstrip("/")), None)
         access = _access(request)
@@ -397,18 +398,6 @@ def _from_caller(url: str, caller_host: str) -> tuple[str, bool]:
     if caller.is_unspecified:
         return url, True
     return str(parsed.with_host(str(caller))).rstrip("/"), False
-
-
-def _is_worker_url(url: str) -> bool:
-    """An absolute http(s) URL with a usable host and port: anything else fails every request later."""
-    try:
-        parsed = URL(url)
-        host, port = parsed.host, parsed.port
-    except ValueError:  # port out of range, broken IPv6 literal
-        return False
-    if parsed.user is not None or parsed.password is not None or parsed.raw_query_string or parsed.raw_fragment:
-        return False  # credentials or a query would ride along on every probe and request
-    return parsed.scheme in ("http", "https") and bool(host) and " " not in (host or "") and port is not None
 
 
 def _json(body: object, status: int = 200) -> web.Response:

@@ -60,6 +60,18 @@ def _address(host: str) -> IPAddress | None:
     return addr
 
 
+def is_worker_url(url: str) -> bool:
+    """An absolute http(s) URL with a usable host and port: anything else fails every request later."""
+    try:
+        parsed = URL(url)
+        host, port = parsed.host, parsed.port
+    except ValueError:  # port out of range, broken IPv6 literal
+        return False
+    if parsed.user is not None or parsed.password is not None or parsed.raw_query_string or parsed.raw_fragment:
+        return False  # credentials or a query would ride along on every probe and request
+    return parsed.scheme in ("http", "https") and bool(host) and " " not in (host or "") and port is not None
+
+
 def canonical_url(url: str) -> str:
     """One spelling per worker address, so that duplicate detection sees one endpoint once: an IP literal
     in its standard form (`127.1`, `2130706433`, `[::ffff:127.0.0.1]` -> `127.0.0.1`; `[0:0::1]` -> `[::1]`),
