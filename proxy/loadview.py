@@ -83,7 +83,7 @@ class WorkerLoad:
     __slots__ = ("_capacity", "reading", "reading_at", "reading_source", "_pending", "_pending_tokens",
                  "_pending_count", "_pending_prefill", "in_flight", "in_flight_tokens", "dispatched_total",
                  "finished_since_reading", "version", "_snapshot", "_snapshot_version", "watchers",
-                 "prefill_backlog", "_pending_unconfirmed", "step_tokens")
+                 "prefill_backlog", "_pending_unconfirmed", "step_tokens", "outputting")
 
     def __init__(self, capacity_tokens: int | None = None) -> None:
         self._capacity = capacity_tokens or DEFAULT_CAPACITY_TOKENS
@@ -101,6 +101,7 @@ class WorkerLoad:
         self._pending_unconfirmed = 0  # pending dispatches nothing has confirmed the engine took in
         self.in_flight = 0
         self.in_flight_tokens = 0
+        self.outputting = 0  # requests in flight here that produced output: the engine runs them (trust.py)
         self.dispatched_total = 0
         # requests finished since the newest reading: each one let the engine admit one of the
         # requests it reported waiting (or was one of them, if it was sent just before the reading)
@@ -177,6 +178,7 @@ class WorkerLoad:
         self._confirm(dispatch)
         if dispatch.prefilling:
             dispatch.prefilling = False
+            self.outputting += 1
             self.prefill_backlog -= dispatch.prefill_tokens
             self.version += 1
             if self.watchers:
@@ -205,6 +207,8 @@ class WorkerLoad:
         if dispatch.prefilling:
             dispatch.prefilling = False
             self.prefill_backlog -= dispatch.prefill_tokens
+        else:
+            self.outputting -= 1
         self._uncount(dispatch)
         if self.watchers:
             self._changed()
@@ -223,6 +227,18 @@ class WorkerLoad:
             return self.in_flight
         self._forget_before(now - DISPATCH_FORGET_AFTER_S)
         return self.reading.num_waiting + self._pending_count
+
+    def held_before(self, cutoff: float) -> tuple[int, int]:
+        """(requests, KV tokens) in flight here that were sent at or before `cutoff`: what a reading taken
+        since must show (proxy/security/trust.py)."""
+        count, tokens = self.in_flight, self.in_flight_tokens
+        for dispatch in reversed(self._pending):
+            if dispatch.at <= cutoff:
+                break
+            if dispatch.pending:  # else it finished: in neither count
+                count -= 1
+                tokens -= dispatch.kv_tokens
+        return count, tokens
 
     def pending_requests(self) -> int:
         return self._pending_count

@@ -151,6 +151,8 @@ class _WorkerGauges(Collector):
         running = GaugeMetricFamily("kvroute:worker_running", "Requests running at the worker (last report)",
                                     labels=["worker"])
         state = GaugeMetricFamily("kvroute:worker_state", "1 for the worker's current state", labels=["worker", "state"])
+        trust = GaugeMetricFamily("kvroute:worker_report_trust", "How far the worker's readings are believed (1: fully; "
+                                  "0: routed on the proxy's own counts; proxy/security/trust.py)", labels=["worker"])
         for worker in self.registry.workers():
             wid = worker.worker_id
             load = worker.load
@@ -160,7 +162,8 @@ class _WorkerGauges(Collector):
                 kv.add_metric([wid], load.reading.kv_usage)
                 waiting.add_metric([wid], load.reading.num_waiting)
                 running.add_metric([wid], load.reading.num_running)
+            trust.add_metric([wid], worker.trust.factor)
             current = worker.state(now)
             for s in WorkerState:
                 state.add_metric([wid, s.value], 1.0 if s is current else 0.0)
-        yield from (in_flight, kv, projected, waiting, running, state)
+        yield from (in_flight, kv, projected, waiting, running, state, trust)

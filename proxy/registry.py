@@ -14,9 +14,10 @@ from enum import StrEnum
 from typing import Any
 from urllib.parse import urlsplit
 
-from proxy.loadview import EngineReading, WorkerLoad
+from proxy.loadview import DEFAULT_CAPACITY_TOKENS, EngineReading, WorkerLoad
 from proxy.protocol import STALE_AFTER_S, LoadReport, WorkerRegistration
 from proxy.security.identifiers import MAX_WORKER_ID_CHARS
+from proxy.security.trust import ReportTrust
 
 
 class WorkerState(StrEnum):
@@ -85,6 +86,7 @@ class Worker:
         self.labels = dict(labels or {})
         self.source = source
         self.load = WorkerLoad(capacity_tokens)
+        self.trust = ReportTrust()  # how far its readings are believed (proxy/security/trust.py)
         self.breaker = CircuitBreaker()
         self.registered_at = time.time()
         self.registered_mono = now
@@ -134,6 +136,7 @@ class Worker:
             "reading_source": load.reading_source, "reading_age_s": age,
             "last_report": self.last_report.model_dump(mode="json") if self.last_report else None,
             "breaker_open": self.breaker.is_open(now), "stalled": self.stalled_at is not None,
+            "report_trust": round(self.trust.factor, 3),
             "last_error": self.last_error,
             "registered_at": self.registered_at, "labels": self.labels,
         }
@@ -197,6 +200,7 @@ class Registry:
                         now=self.clock())
         if existing is not None:
             worker.load = existing.load  # in-flight requests still finish against these counters
+            worker.trust = existing.trust  # registering again does not restore a liar's word
             if reg.kv_capacity_tokens:
                 worker.load.capacity_tokens = reg.kv_capacity_tokens
         worker.registration = reg.model_copy(update={"worker_id": worker_id})
@@ -266,9 +270,10 @@ class Registry:
         worker.probe_failed = False
         if report.max_num_batched_tokens:
             worker.load.step_tokens = report.max_num_batched_tokens
-        worker.load.record_reading(EngineReading(report.kv_cache_usage, report.num_running, report.num_waiting,
-                                                 report.kv_capacity_tokens or None, report.prefix_cache_hit_rate),
-                                   self.clock(), "report")
+        reading = EngineReading(report.kv_cache_usage, report.num_running, report.num_waiting,
+                                report.kv_capacity_tokens or None, report.prefix_cache_hit_rate)
+        worker.load.record_reading(worker.trust.weigh(reading, worker.load, now, lambda: self.peer_capacity(worker)),
+                                   now, "report")
         self._state_may_change(worker, before)
         self.notify_changed()
         self._emit("report", worker, report)
@@ -279,10 +284,19 @@ class Registry:
         before = worker.state(self.clock())
         worker.probe_failed = False
         if reading is not None:
-            worker.load.record_reading(reading, self.clock(), "metrics")
+            now = self.clock()
+            worker.load.record_reading(worker.trust.weigh(reading, worker.load, now,
+                                                          lambda: self.peer_capacity(worker)), now, "metrics")
             worker.stalled_at = None  # its engine answers again: the fresh report of a worker that sends none
         self._state_may_change(worker, before)
         self.notify_changed()
+
+    def peer_capacity(self, worker: Worker) -> int:
+        """The largest KV capacity a fully trusted worker serving one of `worker`'s models reports: what a
+        distrusted worker's own claim is capped at (proxy/security/trust.py). Asked only for distrusted ones."""
+        peers = [w.load.capacity_tokens for w in self._workers.values()
+                 if w is not worker and w.trust.factor >= 1.0 and not set(w.models).isdisjoint(worker.models)]
+        return max(peers, default=DEFAULT_CAPACITY_TOKENS)
 
     def record_probe(self, worker: Worker, ok: bool, error: str | None = None) -> None:
         before = worker.state(self.clock())
