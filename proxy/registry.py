@@ -294,8 +294,9 @@ class Registry:
     def peer_capacity(self, worker: Worker) -> int:
         """The largest KV capacity a fully trusted worker serving one of `worker`'s models reports: what a
         distrusted worker's own claim is capped at (proxy/security/trust.py). Asked only for distrusted ones."""
+        models = set(worker.models)
         peers = [w.load.capacity_tokens for w in self._workers.values()
-                 if w is not worker and w.trust.factor >= 1.0 and not set(w.models).isdisjoint(worker.models)]
+                 if w is not worker and w.trust.factor >= 1.0 and any(m in models for m in w.models)]
         return max(peers, default=DEFAULT_CAPACITY_TOKENS)
 
     def record_probe(self, worker: Worker, ok: bool, error: str | None = None) -> None:
