@@ -108,6 +108,12 @@ class Worker:
         last = self.load.reading_at if self.load.reading_at is not None else self.registered_mono
         return now - last > TAKEOVER_AFTER_S
 
+    def silent(self, now: float) -> bool:
+        """It sends no reports now: stale or unhealthy, or a reporting worker that only scrapes of its engine's
+        /metrics keep ready (its reporter died or lost its proxy; a restart on its address answers them)."""
+        return (self.state(now) in (WorkerState.STALE, WorkerState.UNHEALTHY)
+                or (self.reports and self.load.reading_source == "metrics"))
+
     def serves(self, model: str) -> bool:
         return model in self.models
 

@@ -24,7 +24,7 @@ from proxy.config import ProxyConfig
 from proxy.errors import error_response
 from proxy.monitor import PROBE_MODELS_DEADLINE_S, HealthMonitor
 from proxy.protocol import LoadReport, RegistrationAccepted, ReportAccepted, WorkerRegistration
-from proxy.registry import Registry, Worker, WorkerState, worker_id_from_url
+from proxy.registry import Registry, Worker, worker_id_from_url
 from proxy.security import browser, peer
 from proxy.security import identifiers as ids
 from proxy.security.browser import OwnNames
@@ -164,8 +164,7 @@ def _may_replace(access: _Access, holders: list[Worker], now: float, worker_id: 
     for holder in holders:
         if access.caller.admin or access.caller.owns(holder.secret_hash) or holder.replaceable(now):
             continue
-        if (holder.worker_id == worker_id and holder.url == url
-                and holder.state(now) in (WorkerState.STALE, WorkerState.UNHEALTHY)):
+        if holder.worker_id == worker_id and holder.url == url and holder.silent(now):
             continue
         return holder
     return None
