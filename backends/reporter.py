@@ -183,7 +183,7 @@ class ProxyReporter:
                                           data=report.model_dump_json(exclude_none=True),
                                           headers={"Content-Type": "application/json", **self._own_headers()},
                                           timeout=REPORT_TIMEOUT) as resp:
-                if resp.status == 404:
+                if resp.status in (401, 404):  # 401: the proxy knows no worker by this secret (it forgot this one)
                     return False
                 if resp.status >= 400:
                     log.warning("report rejected (%s): %s", resp.status, (await resp.text())[:200])

@@ -125,7 +125,7 @@ def build_app(config: FleetConfig, *, policy: str | None = None) -> web.Applicat
     app[METRICS_KEY] = metrics
     app[LIFECYCLE_KEY] = Lifecycle(registry, routing, policy)
     if config.state.url != "memory":
-        app[STATE_KEY] = RedisState(registry, config.state.url)
+        app[STATE_KEY] = RedisState(registry, config.state, proxy_cfg, on_dropped=metrics.redis_dropped)
 
     openai_api.add_routes(app, registry, live)
     control.add_routes(app, registry, monitor, routing.queue_lengths)

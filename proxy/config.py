@@ -140,14 +140,24 @@ class ProxyConfig(_Strict):
     drain_grace_s: float = Field(30.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     api_keys: list[ApiKey] | str | None = Field(
-        None, description="client API keys for /v1/*: a list, or a file (one key or sha256:HEX per line, or a YAML "
-                          "list of entries); also --api-keys FILE and KVROUTE_API_KEYS (comma-separated)")
+        None, description="client API keys for /v1/*: a list (of keys as plain strings, as vLLM's --api-key takes "
+                          "them, or entries), or a file (one key or sha256:HEX per line, or a YAML list of entries); "
+                          "also --api-keys FILE and KVROUTE_API_KEYS (comma-separated)")
     metrics_token: str | None = Field(None, description="bearer token for GET /metrics besides any API key")
     otlp_endpoint: str | None = Field(None, description=(
         "OpenTelemetry collector (OTLP/HTTP, e.g. http://127.0.0.1:4318): one trace per /v1 request; unset: "
         "OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing"))
     access_log: bool = Field(True, description="one JSON line per /v1 request on the kvroute.access logger (INFO)")
     limits: ProxyLimits = Field(default_factory=ProxyLimits)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _plain_keys(cls, v: Any) -> Any:
+        """`api_keys: [sk-abc, {key_sha256: ..., models: [...]}]`: a plain string is a key of its own."""
+        if isinstance(v, list):
+            return [{"key": str(item)} if isinstance(item, str | int) and not isinstance(item, bool) else item
+                    for item in v]
+        return v
 
     @field_validator("admin_token", "worker_token")
     @classmethod
@@ -167,8 +177,23 @@ class ProxyConfig(_Strict):
         return v
 
 
+class StateTLS(_Strict):
+    """TLS to Redis (a rediss:// URL turns it on with the system's CAs)."""
+
+    ca_file: str | None = Field(None, description="CA bundle that signed Redis's certificate")
+    cert_file: str | None = Field(None, description="client certificate, when Redis asks for one")
+    key_file: str | None = Field(None, description="its private key")
+    check_hostname: bool = True
+
+
 class StateConfig(_Strict):
     url: str = Field("memory", description="'memory' or redis://host:port/db")
+    username: str | None = Field(None, description="Redis ACL user (with password)")
+    password: str | None = Field(None, repr=False, description="Redis AUTH password, e.g. ${KVROUTE_REDIS_PASSWORD}")
+    tls: StateTLS | None = Field(None, description="TLS options for Redis; set: TLS on")
+    secret_key: str | None = Field(None, repr=False, min_length=16, description=(
+        "encrypts the engine API keys kept in Redis (AES-GCM); replicas must share it. Unset: derived from "
+        "proxy.admin_token"))
     ray_address: str | None = Field(None, description="Ray cluster for placement: ray (e.g. 'auto')")
     ray_gpu_resource: str = Field("GPU", min_length=1,
                                   description="Ray resource a replica holds gpus_per_replica of; 'GPU' = num_gpus")

@@ -51,7 +51,7 @@ class KvEventBatch(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    seq: int = Field(..., ge=0)
+    seq: int = Field(..., ge=0, le=2**63 - 1)
     snapshot: bool = Field(False, description="`stored` is every block the engine holds: replace, do not add")
     cleared: bool = Field(False, description="the engine dropped every block (AllBlocksCleared) before these changes")
     complete: bool = Field(True, description="False: the worker missed engine events it could not replay, so "
@@ -62,4 +62,4 @@ class KvEventBatch(BaseModel):
     block_size: int | None = Field(None, ge=1, le=1 << 20)
     hash_algo: str | None = Field(None, max_length=32)
     hash_seed: str | None = Field(None, max_length=256)
-    capacity_blocks: int | None = Field(None, ge=1, description="blocks the engine's KV cache has")
+    capacity_blocks: int | None = Field(None, ge=1, le=2**40, description="blocks the engine's KV cache has")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from proxy import promtext
+from proxy.protocol import MAX_KV_CAPACITY_TOKENS, MAX_REQUESTS
 from proxy.routing_config import AdmissionConfig
 
 # The engine step budget `confirm_above_prefill_tokens` is stated at: vLLM's default token budget per step for an
@@ -68,7 +69,7 @@ class WorkerLoad:
                  "_pending_count", "_pending_prefill", "in_flight", "in_flight_tokens", "dispatched_total",
                  "finished_since_reading", "version", "_snapshot", "_snapshot_version", "watchers",
                  "prefill_backlog", "_pending_unconfirmed", "step_tokens", "rules", "forget_after_s", "_visible_after_s",
-                 "_confirms", "_confirms_by_head", "_confirm_above_kv", "_confirm_above_prefill")
+                 "_confirms", "_confirms_by_head", "_confirm_above_kv", "_confirm_above_prefill", "outputting")
 
     def __init__(self, capacity_tokens: int | None = None, rules: AdmissionConfig | None = None) -> None:
         self._capacity = capacity_tokens or DEFAULT_CAPACITY_TOKENS
@@ -87,6 +88,7 @@ class WorkerLoad:
         self._pending_unconfirmed = 0  # pending dispatches nothing has confirmed the engine took in
         self.in_flight = 0
         self.in_flight_tokens = 0
+        self.outputting = 0  # requests in flight here that produced output: the engine runs them (trust.py)
         self.dispatched_total = 0
         # requests finished since the newest reading: each one let the engine admit one of the
         # requests it reported waiting (or was one of them, if it was sent just before the reading)
@@ -181,6 +183,7 @@ class WorkerLoad:
         self._confirm(dispatch)
         if dispatch.prefilling:
             dispatch.prefilling = False
+            self.outputting += 1
             self.prefill_backlog -= dispatch.prefill_tokens
             self.version += 1
             if self.watchers:
@@ -209,6 +212,8 @@ class WorkerLoad:
         if dispatch.prefilling:
             dispatch.prefilling = False
             self.prefill_backlog -= dispatch.prefill_tokens
+        else:
+            self.outputting -= 1
         self._uncount(dispatch)
         if self.watchers:
             self._changed()
@@ -227,6 +232,18 @@ class WorkerLoad:
             return self.in_flight
         self._forget_before(now - self.forget_after_s)
         return self.reading.num_waiting + self._pending_count
+
+    def held_before(self, cutoff: float) -> tuple[int, int]:
+        """(requests, KV tokens) in flight here that were sent at or before `cutoff`: what a reading taken
+        since must show (proxy/security/trust.py)."""
+        count, tokens = self.in_flight, self.in_flight_tokens
+        for dispatch in reversed(self._pending):
+            if dispatch.at <= cutoff:
+                break
+            if dispatch.pending:  # else it finished: in neither count
+                count -= 1
+                tokens -= dispatch.kv_tokens
+        return count, tokens
 
     def pending_requests(self) -> int:
         return self._pending_count
@@ -387,7 +404,15 @@ def parse_engine_metrics(text: str) -> EngineReading | None:
     usage = promtext.kv_usage(metrics, _USAGE)
     if usage is None:
         return None
-    running = sum(int(metrics.total(name) or 0) for name in _RUNNING)
-    waiting = sum(int(metrics.total(name) or 0) for name in _WAITING)
-    hit_rate = metrics.mean(_HIT_RATE) or 0.0
-    return EngineReading(usage, running, waiting, promtext.kv_capacity_tokens(metrics, _CACHE_INFO), hit_rate)
+    # what a report may say (proxy/protocol.py's bounds): an engine's /metrics is as untrusted as a report
+    running = _count(sum(metrics.total(name) or 0 for name in _RUNNING))
+    waiting = _count(sum(metrics.total(name) or 0 for name in _WAITING))
+    hit_rate = min(max(metrics.mean(_HIT_RATE) or 0.0, 0.0), 1.0)
+    capacity = promtext.kv_capacity_tokens(metrics, _CACHE_INFO)
+    if capacity is not None and not 0 < capacity <= MAX_KV_CAPACITY_TOKENS:
+        capacity = None
+    return EngineReading(usage, running, waiting, capacity, hit_rate)
+
+
+def _count(value: float) -> int:
+    return int(min(max(value, 0), MAX_REQUESTS))

@@ -15,9 +15,15 @@ from prometheus_client.registry import Collector
 
 from proxy.registry import Registry, Worker, WorkerState
 from proxy.routing.engine_blocks import EngineBlocks
+from proxy.security.identifiers import MAX_WORKER_ID_CHARS, is_model_name
 
-# Distinct requested model names (served, aliases, typos) that get their own metrics label.
+# Distinct model names that get their own metrics label; further ones, and every name no worker
+# serves (typos, made-up names: clients choose them), are counted as OTHER.
 MAX_MODEL_LABELS = 64
+OTHER = "other"
+# No label value is longer: each lives in /metrics for good, and every scrape copies them all. The
+# identifiers a label carries (worker ids, served model names) are bounded at registration already.
+MAX_LABEL_VALUE_CHARS = max(MAX_WORKER_ID_CHARS, 256)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -34,6 +40,10 @@ class _CachedLabels:
             return super().labels(*values, **named)  # type: ignore[misc]
         child = self._children.get(values)
         if child is None:
+            if any(len(str(v)) > MAX_LABEL_VALUE_CHARS for v in values):
+                # bounded here too, whoever records: a long value becomes OTHER (and is not a cache key)
+                values = tuple(OTHER if len(str(v)) > MAX_LABEL_VALUE_CHARS else v for v in values)
+                return self.labels(*values)
             child = self._children[values] = super().labels(*values)  # type: ignore[misc]
         return child
 
@@ -58,6 +68,7 @@ class ProxyMetrics:
     """Counters and histograms the request path updates, plus worker gauges computed on scrape."""
 
     def __init__(self, registry: Registry) -> None:
+        self._registry = registry
         self._model_labels: set[str] = set()
         self.collector_registry = CollectorRegistry(auto_describe=False)
         r = self.collector_registry
@@ -80,6 +91,9 @@ class ProxyMetrics:
                                   "mid-stream (continued), ended with an error event (failed), and non-streamed "
                                   "requests started again elsewhere after their worker broke (restarted)",
                                   ["model", "outcome"], registry=r)
+        self.redis_events_dropped = CachedCounter(
+            "kvroute:redis_dropped", "Events and worker entries read from Redis that were malformed or not allowed "
+            "(dropped, never applied), by reason", ["reason"], registry=r)
         r.register(_WorkerGauges(registry))
         # Worker ids churn (a new generation per restart): a removed worker's label sets go with it, or
         # /metrics would grow for as long as the proxy runs.
@@ -94,14 +108,18 @@ class ProxyMetrics:
         self.collector_registry.register(_EngineBlockGauges(engine_blocks))
 
     def model_label(self, name: str) -> str:
-        """A requested model `name` as a label while few distinct names were seen, then "other": each
-        label value lives in /metrics for good, and clients choose these names."""
+        """A requested model `name` as a label: itself when a worker serves it (while few distinct names were
+        seen), else OTHER. Each label value lives in /metrics for good, and clients choose these names."""
         if name in self._model_labels:
             return name
-        if len(self._model_labels) < MAX_MODEL_LABELS:
+        if (len(self._model_labels) < MAX_MODEL_LABELS and isinstance(name, str) and is_model_name(name)
+                and self._registry.serves(name)):
             self._model_labels.add(name)
             return name
-        return "other"
+        return OTHER
+
+    def redis_dropped(self, reason: str) -> None:
+        self.redis_events_dropped.labels(reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.collector_registry)
@@ -140,6 +158,8 @@ class _WorkerGauges(Collector):
         state = GaugeMetricFamily("kvroute:worker_state", "1 for the worker's current state", labels=["worker", "state"])
         role = GaugeMetricFamily("kvroute:worker_role", "1 for the worker's role (both, prefill, decode, encode)",
                                  labels=["worker", "role"])
+        trust = GaugeMetricFamily("kvroute:worker_report_trust", "How far the worker's readings are believed (1: fully; "
+                                  "0: routed on the proxy's own counts; proxy/security/trust.py)", labels=["worker"])
         for worker in self.registry.workers():
             wid = worker.worker_id
             load = worker.load
@@ -149,11 +169,12 @@ class _WorkerGauges(Collector):
                 kv.add_metric([wid], load.reading.kv_usage)
                 waiting.add_metric([wid], load.reading.num_waiting)
                 running.add_metric([wid], load.reading.num_running)
+            trust.add_metric([wid], worker.trust.factor)
             current = worker.state(now)
             for s in WorkerState:
                 state.add_metric([wid, s.value], 1.0 if s is current else 0.0)
             role.add_metric([wid, worker.role], 1.0)
-        yield from (in_flight, kv, projected, waiting, running, state, role)
+        yield from (in_flight, kv, projected, waiting, running, state, role, trust)
 
 
 class _EngineBlockGauges(Collector):

@@ -1,8 +1,9 @@
 """Background health probes and /metrics scrapes, and adding workers by URL alone.
 
 Owns the I/O that keeps the registry's view honest for workers that do not report (static
-config workers, LMDeploy /nodes/add): scrape /metrics a few times a second, probe /health,
-and probe stale reporting workers. State transitions themselves are the registry's.
+config workers, LMDeploy /nodes/add) and for reporting workers whose reports stopped (their
+proxy died, say): scrape /metrics a few times a second, else probe /health. State transitions
+themselves are the registry's.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import Any
 import aiohttp
 
 from proxy.loadview import parse_engine_metrics
-from proxy.protocol import WorkerRegistration
+from proxy.protocol import MAX_STEP_TOKENS, WorkerRegistration
 from proxy.registry import Registry, Worker, WorkerState
+from proxy.security.networks import canonical_url
 from proxy.upstream import Upstream
 
 log = logging.getLogger("kvroute.monitor")
@@ -27,6 +29,9 @@ CHECK_INTERVAL_S = 0.25
 SCRAPE_INTERVAL_S = 0.5      # non-reporting workers: /metrics at 2 Hz
 PROBE_INTERVAL_S = 1.0       # stale or unhealthy workers: /health once a second
 PROBE_TIMEOUT_S = 2.0
+# Listing a URL-only worker's models (/nodes/add, static workers) takes at most this long; a failed
+# /nodes/add answers only then, so its timing does not tell an open port from a closed one.
+PROBE_MODELS_DEADLINE_S = 2 * PROBE_TIMEOUT_S
 # A self-registered (reporting) worker silent this long, and failing its /health probe, is forgotten (one
 # that answers stays: its proxy may have died, DESIGN's replicas); if it comes back, its
 # reporter gets 404 on its next report and registers again. Static and /nodes workers stay.
@@ -35,7 +40,7 @@ FORGET_SILENT_AFTER_S = 300.0
 
 async def probe_models(session: aiohttp.ClientSession, url: str) -> tuple[list[str], int | None]:
     """The model ids (and max_model_len, if given) a worker's /v1/models lists; raises on failure."""
-    timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S * 2)
+    timeout = aiohttp.ClientTimeout(total=PROBE_MODELS_DEADLINE_S)
     # Never follow a redirect: a worker URL must not become a way to make the proxy fetch another address.
     async with session.get(url.rstrip("/") + "/v1/models", timeout=timeout, allow_redirects=False) as resp:
         resp.raise_for_status()
@@ -44,7 +49,8 @@ async def probe_models(session: aiohttp.ClientSession, url: str) -> tuple[list[s
         body = await resp.json(content_type=None)
     data = body.get("data", []) if isinstance(body, dict) else []
     models = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
-    lengths = [m.get("max_model_len") for m in data if isinstance(m, dict) and isinstance(m.get("max_model_len"), int)]
+    lengths = [m["max_model_len"] for m in data if isinstance(m, dict) and isinstance(m.get("max_model_len"), int)
+               and 0 < m["max_model_len"] <= MAX_STEP_TOKENS]  # an implausible length is no length
     if not models:
         raise ValueError(f"{url}/v1/models lists no models")
     return models, (max(lengths) if lengths else None)
@@ -81,6 +87,7 @@ class HealthMonitor:
                          secret_hash: str | None = None) -> Worker:
         """Register a non-reporting worker; without `models`, ask its /v1/models (raises if it cannot)."""
         max_len = None
+        url = canonical_url(url)
         if not models:
             models, max_len = await probe_models(self.session, url)
         reg = WorkerRegistration(url=url, models=models, engine=engine, reports=False, max_model_len=max_len,  # type: ignore[arg-type]
@@ -139,13 +146,22 @@ class HealthMonitor:
         if not worker.reports:
             return SCRAPE_INTERVAL_S
         state = worker.state(now)
-        if state in (WorkerState.STALE, WorkerState.UNHEALTHY):
+        if state is WorkerState.STALE or self._scraped_instead(worker):
+            return SCRAPE_INTERVAL_S  # its reports stopped: read its engine's /metrics as if it sent none
+        if state is WorkerState.UNHEALTHY:
             return PROBE_INTERVAL_S
         return None  # a reporting, fresh worker needs no probing
 
+    @staticmethod
+    def _scraped_instead(worker: Worker) -> bool:
+        """A reporting worker kept fresh by scrapes: its reports stopped (their proxy died, a partition) while
+        its engine still answers. Scraped at the non-reporting cadence, it stays ready and routed normally."""
+        return worker.reports and worker.load.reading_source == "metrics"
+
     async def _check(self, worker: Worker) -> None:
         try:
-            if not worker.reports and await self._scrape(worker):
+            if (not worker.reports or self._scraped_instead(worker) or worker.state(self.registry.clock())
+                    is WorkerState.STALE) and await self._scrape(worker):
                 return
             ok, error = await self._probe_health(worker)
             if worker.reports or not ok:

@@ -1,17 +1,18 @@
 """The wire schema between workers and the proxy: registration and load reports.
 
-Owns only data shapes (pydantic) and their JSON names; workers import it too, so it
-must not import anything else from the proxy.
+Owns only data shapes (pydantic), their JSON names and the bounds of every field; workers import it
+too, so it imports nothing else from the proxy but the leaf proxy/security/identifiers.py.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from proxy.kvevents import KvEventBatch
+from proxy.security import identifiers as ids
 
 # Engines a worker may say it runs. "pytorch" is LMDeploy's PyTorch engine, which
 # LMDeploy falls back to when TurboMind lacks the model (Qwen3-VL as of 0.18).
@@ -37,6 +38,28 @@ WORKER_TOKEN_HEADER = "Authorization"  # "Bearer <token>": the worker token to r
 WORKER_SECRET_HEADER = "x-kvroute-worker-secret"  # a re-registering worker's previous secret (proves its id)
 
 
+# Bounds of what a worker may say (docs/security.md, "Numbers from workers and Redis"): every integer fits
+# int64, so no view can fail to encode it; each bound is far above any real engine and far below what
+# would overflow the proxy's arithmetic. Lies inside them are the trust factor's (proxy/security/trust.py).
+INT64_MAX = 2**63 - 1
+MAX_REQUESTS = 1_000_000                # num_running, num_waiting
+MAX_KV_CAPACITY_TOKENS = 2**40          # ~1.1e12: a thousand times the KV cache of a whole 8-GPU node
+MAX_STEP_TOKENS = 2**24                 # max_num_batched_tokens, max_model_len (16.7M tokens)
+MAX_PREFILL_TOKENS_PER_S = 1e9
+MAX_DECODE_STEP_S = 3600.0
+MAX_UNIX_TIME = 2**40                   # sent_at, in seconds (year 36812)
+MAX_GPUS = 64
+
+WorkerId = Annotated[str, AfterValidator(ids.worker_id)]
+ModelName = Annotated[str, AfterValidator(ids.model_name)]
+WorkerUrl = Annotated[str, AfterValidator(ids.worker_url)]
+Labels = Annotated[dict[str, str], AfterValidator(ids.labels)]
+BootId = Annotated[str, AfterValidator(lambda v: ids.visible_token(v, "boot_id", 64))]
+ApiKeyText = Annotated[str, AfterValidator(lambda v: ids.visible_token(v, "api_key"))]
+GpuId = Annotated[str, AfterValidator(lambda v: ids.visible_token(v, "a gpu id", 64))]
+ModelList = Annotated[list[ModelName], Field(min_length=1, max_length=ids.MAX_MODELS_PER_WORKER)]
+
+
 def report_interval_for(num_workers: int) -> float:
     """The report interval the proxy asks of each of `num_workers` workers (see REPORT_INTERVAL_S)."""
     return min(REPORT_INTERVAL_MAX_S, max(REPORT_INTERVAL_S, num_workers / REPORTS_PER_S))
@@ -45,21 +68,22 @@ def report_interval_for(num_workers: int) -> float:
 class WorkerRegistration(BaseModel):
     """Body of `POST /workers`: a worker announcing itself."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    worker_id: str | None = Field(None, description="stable id; the proxy makes one from the url if absent")
-    url: str = Field(..., description="base URL the proxy forwards to, e.g. http://10.0.0.5:8101")
-    models: list[str] = Field(..., min_length=1)
+    worker_id: WorkerId | None = Field(None, description="stable id; the proxy makes one from the url if absent")
+    url: WorkerUrl = Field(..., description="base URL the proxy forwards to, e.g. http://10.0.0.5:8101")
+    models: ModelList
     engine: EngineName = "unknown"
-    kv_capacity_tokens: int | None = Field(None, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    gpus: list[str] = Field(default_factory=list, description="device ids the worker holds, as strings")
+    kv_capacity_tokens: int | None = Field(None, ge=1, le=MAX_KV_CAPACITY_TOKENS)
+    max_model_len: int | None = Field(None, ge=1, le=MAX_STEP_TOKENS)
+    gpus: list[GpuId] = Field(default_factory=list, max_length=MAX_GPUS,
+                              description="device ids the worker holds, as strings")
     reports: bool = Field(True, description="False: the proxy scrapes /metrics instead of waiting for reports")
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: Labels = Field(default_factory=dict)
     role: WorkerRole = Field("both", description="its part in a disaggregated fleet (see WorkerRole)")
-    boot_id: str | None = Field(None, max_length=64,
-                                description="new at every start of the worker process: a new one restarts `seq`")
-    api_key: str | None = Field(None, repr=False,
+    boot_id: BootId | None = Field(None, description="new at every start of the worker process: a new one restarts "
+                                                     "`seq`")
+    api_key: ApiKeyText | None = Field(None, repr=False,
                                 description="key the proxy sends the worker as Authorization: Bearer (its engine's "
                                             "--api-key); never shown in /workers")
 
@@ -85,28 +109,28 @@ class ReportAccepted(BaseModel):
 class LoadReport(BaseModel):
     """Body of `POST /workers/{id}/report`, sent at the interval the proxy asks for (DESIGN.md's schema)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    worker_id: str
-    url: str
-    models: list[str]
+    worker_id: WorkerId
+    url: WorkerUrl
+    models: ModelList
     engine: EngineName = "unknown"
     state: WorkerReportedState = "ready"
     role: WorkerRole = "both"
     kv_cache_usage: float = Field(..., ge=0.0, le=1.0)
-    kv_capacity_tokens: int = Field(..., ge=0)
-    num_running: int = Field(..., ge=0)
-    num_waiting: int = Field(..., ge=0)
+    kv_capacity_tokens: int = Field(..., ge=0, le=MAX_KV_CAPACITY_TOKENS)
+    num_running: int = Field(..., ge=0, le=MAX_REQUESTS)
+    num_waiting: int = Field(..., ge=0, le=MAX_REQUESTS)
     prefix_cache_hit_rate: float = Field(0.0, ge=0.0, le=1.0)
     # Optional rates for the routing model (proxy/routing/estimator.py), in wall-clock seconds:
     # recent prompt tokens prefilled per second of prefill work, and the recent decode step time.
-    prefill_tokens_per_s: float | None = Field(None, gt=0)
-    decode_step_s: float | None = Field(None, gt=0)
+    prefill_tokens_per_s: float | None = Field(None, gt=0, le=MAX_PREFILL_TOKENS_PER_S)
+    decode_step_s: float | None = Field(None, gt=0, le=MAX_DECODE_STEP_S)
     # The engine's token budget per scheduler step (vLLM --max-num-batched-tokens, LMDeploy
     # --max-prefill-token-num) when the worker knows it; admission scales its prefill threshold by it.
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    seq: int = Field(..., ge=0, description="monotonic per worker; older reports are ignored")
-    boot_id: str | None = Field(None, max_length=64, description="the registration's boot_id; seq counts within it")
+    max_num_batched_tokens: int | None = Field(None, ge=1, le=MAX_STEP_TOKENS)
+    seq: int = Field(..., ge=0, le=INT64_MAX, description="monotonic per worker; older reports are ignored")
+    boot_id: BootId | None = Field(None, description="the registration's boot_id; seq counts within it")
     # the engine's prefix-cache changes since the last report (workers whose engine publishes KV events)
     kv_events: KvEventBatch | None = None
-    sent_at: float = Field(default_factory=time.time, description="unix seconds at the worker")
+    sent_at: float = Field(default_factory=time.time, ge=0, le=MAX_UNIX_TIME, description="unix seconds at the worker")

@@ -7,14 +7,17 @@ no I/O. Handlers and policies ask it questions through methods; proxy/monitor.py
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable, Iterable
 from enum import StrEnum
 from typing import Any
 from urllib.parse import urlsplit
 
-from proxy.loadview import EngineReading, WorkerLoad
+from proxy.loadview import DEFAULT_CAPACITY_TOKENS, EngineReading, WorkerLoad
 from proxy.protocol import STALE_AFTER_S, LoadReport, WorkerRegistration
+from proxy.security.identifiers import MAX_WORKER_ID_CHARS
+from proxy.security.trust import ReportTrust
 
 
 class WorkerState(StrEnum):
@@ -102,6 +105,7 @@ class Worker:
         self.labels = dict(labels or {})
         self.source = source
         self.load = WorkerLoad(capacity_tokens)
+        self.trust = ReportTrust()  # how far its readings are believed (proxy/security/trust.py)
         self.breaker = CircuitBreaker()
         self.registered_at = time.time()
         self.registered_mono = now
@@ -123,6 +127,12 @@ class Worker:
             return False
         last = self.load.reading_at if self.load.reading_at is not None else self.registered_mono
         return now - last > TAKEOVER_AFTER_S
+
+    def silent(self, now: float) -> bool:
+        """It sends no reports now: stale or unhealthy, or a reporting worker that only scrapes of its engine's
+        /metrics keep ready (its reporter died or lost its proxy; a restart on its address answers them)."""
+        return (self.state(now) in (WorkerState.STALE, WorkerState.UNHEALTHY)
+                or (self.reports and self.load.reading_source == "metrics"))
 
     def serves(self, model: str) -> bool:
         return model in self.models
@@ -152,6 +162,7 @@ class Worker:
             "reading_source": load.reading_source, "reading_age_s": age,
             "last_report": self.last_report.model_dump(mode="json", exclude={"kv_events"}) if self.last_report else None,
             "breaker_open": self.breaker.is_open(now), "stalled": self.stalled_at is not None,
+            "report_trust": round(self.trust.factor, 3),
             "last_error": self.last_error,
             "registered_at": self.registered_at, "labels": self.labels,
         }
@@ -161,11 +172,14 @@ class Worker:
 MAX_CACHED_MODELS = 256
 # A registration may take over the id or URL of a worker silent (and stale/unhealthy) this long.
 TAKEOVER_AFTER_S = 10.0
+_NOT_IN_WORKER_ID = re.compile(r"[^A-Za-z0-9._@~+-]+")
 
 
 def worker_id_from_url(url: str) -> str:
+    """An id for a worker registered by URL alone: its host and port, in the worker-id grammar
+    (proxy/security/identifiers.py): `http://10.0.0.5:8101` -> `10.0.0.5-8101`, `http://[::1]:9` -> `1-9`."""
     parts = urlsplit(url)
-    return (parts.netloc or url).replace(":", "-").replace("/", "-")
+    return _NOT_IN_WORKER_ID.sub("-", parts.netloc or url).strip("-.~+@")[:MAX_WORKER_ID_CHARS] or "worker"
 
 
 # A membership or report change, for listeners such as proxy/state.py's Redis mirror:
@@ -212,6 +226,7 @@ class Registry:
                         now=self.clock(), role=reg.role)
         if existing is not None:
             worker.load = existing.load  # in-flight requests still finish against these counters
+            worker.trust = existing.trust  # registering again does not restore a liar's word
             if reg.kv_capacity_tokens:
                 worker.load.capacity_tokens = reg.kv_capacity_tokens
         worker.registration = reg.model_copy(update={"worker_id": worker_id})
@@ -281,9 +296,10 @@ class Registry:
         worker.probe_failed = False
         if report.max_num_batched_tokens:
             worker.load.step_tokens = report.max_num_batched_tokens
-        worker.load.record_reading(EngineReading(report.kv_cache_usage, report.num_running, report.num_waiting,
-                                                 report.kv_capacity_tokens or None, report.prefix_cache_hit_rate),
-                                   self.clock(), "report")
+        reading = EngineReading(report.kv_cache_usage, report.num_running, report.num_waiting,
+                                report.kv_capacity_tokens or None, report.prefix_cache_hit_rate)
+        worker.load.record_reading(worker.trust.weigh(reading, worker.load, now, lambda: self.peer_capacity(worker)),
+                                   now, "report")
         self._state_may_change(worker, before)
         self.notify_changed()
         self._emit("report", worker, report)
@@ -294,10 +310,20 @@ class Registry:
         before = worker.state(self.clock())
         worker.probe_failed = False
         if reading is not None:
-            worker.load.record_reading(reading, self.clock(), "metrics")
+            now = self.clock()
+            worker.load.record_reading(worker.trust.weigh(reading, worker.load, now,
+                                                          lambda: self.peer_capacity(worker)), now, "metrics")
             worker.stalled_at = None  # its engine answers again: the fresh report of a worker that sends none
         self._state_may_change(worker, before)
         self.notify_changed()
+
+    def peer_capacity(self, worker: Worker) -> int:
+        """The largest KV capacity a fully trusted worker serving one of `worker`'s models reports: what a
+        distrusted worker's own claim is capped at (proxy/security/trust.py). Asked only for distrusted ones."""
+        models = set(worker.models)
+        peers = [w.load.capacity_tokens for w in self._workers.values()
+                 if w is not worker and w.trust.factor >= 1.0 and any(m in models for m in w.models)]
+        return max(peers, default=DEFAULT_CAPACITY_TOKENS)
 
     def record_probe(self, worker: Worker, ok: bool, error: str | None = None) -> None:
         before = worker.state(self.clock())

@@ -7,6 +7,7 @@ probing a URL-only worker in the monitor.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable
@@ -21,13 +22,21 @@ from yarl import URL
 from proxy import protocol
 from proxy.config import ProxyConfig
 from proxy.errors import error_response
-from proxy.monitor import HealthMonitor
+from proxy.monitor import PROBE_MODELS_DEADLINE_S, HealthMonitor
 from proxy.protocol import LoadReport, RegistrationAccepted, ReportAccepted, WorkerRegistration
-from proxy.registry import Registry, Worker, WorkerState, worker_id_from_url
+from proxy.registry import Registry, Worker, worker_id_from_url
 from proxy.security import browser, peer
+from proxy.security import identifiers as ids
 from proxy.security.browser import OwnNames
 from proxy.security.controlauth import ADMIN_WHAT, Caller, ControlAuth, new_secret, secret_hash
-from proxy.security.networks import IPNetwork, WorkerUrlRefused, check_worker_url, parse_networks
+from proxy.security.networks import (
+    IPNetwork,
+    WorkerUrlRefused,
+    canonical_url,
+    check_worker_url,
+    is_worker_url,
+    parse_networks,
+)
 from proxy.security.redact import redact_mapping, redact_text
 
 log = logging.getLogger("kvroute.control")
@@ -125,8 +134,10 @@ def auth_middleware(config: ProxyConfig) -> Callable[..., Awaitable[web.StreamRe
         if need == "owner" and caller.has_credential:
             registry = request.app.get(_REGISTRY_KEY)
             worker = registry.get(worker_id) if registry is not None and worker_id is not None else None
-            if worker_id is None or worker is None or caller.owns(worker.secret_hash):
-                return await handler(request)  # unknown: 404, so a forgotten worker registers again
+            if worker_id is None or (worker is not None and caller.owns(worker.secret_hash)):
+                return await handler(request)
+            # Unknown, or another worker's: one answer for both (401, or 403 for a credential valid elsewhere),
+            # so that no credential tells which ids exist; a worker the proxy forgot registers again on 401.
         registry = request.app.get(_REGISTRY_KEY)
         hashes = _secret_hashes(registry) if registry is not None and caller.has_credential else []
         return auth.denied(caller, ADMIN_WHAT if need in ("admin", "read") else "this worker route", hashes)
@@ -153,8 +164,7 @@ def _may_replace(access: _Access, holders: list[Worker], now: float, worker_id: 
     for holder in holders:
         if access.caller.admin or access.caller.owns(holder.secret_hash) or holder.replaceable(now):
             continue
-        if (holder.worker_id == worker_id and holder.url == url
-                and holder.state(now) in (WorkerState.STALE, WorkerState.UNHEALTHY)):
+        if holder.worker_id == worker_id and holder.url == url and holder.silent(now):
             continue
         return holder
     return None
@@ -197,9 +207,10 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
             reg = WorkerRegistration.model_validate_json(await request.read())
         except ValidationError as exc:
             return _invalid(exc)
-        if not _is_worker_url(reg.url):
+        if not is_worker_url(reg.url):
             return error_response(400, f"`url` must be http(s)://host[:port] without credentials, query or "
                                        f"fragment, got {redact_text(reg.url)!r}.", param="url", code="invalid_url")
+        reg = reg.model_copy(update={"url": canonical_url(reg.url)})  # one spelling per address
         access = _access(request)
         worker_id = reg.worker_id or worker_id_from_url(reg.url)
         holders = registry.holders(worker_id, reg.url)
@@ -261,12 +272,13 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
     async def nodes_add(request: web.Request) -> web.Response:
         body = await _json_body(request)
         url = body.get("url") if isinstance(body, dict) else None
-        if not isinstance(url, str) or not _is_worker_url(url):
+        if not isinstance(url, str) or len(url) > ids.MAX_URL_CHARS or not is_worker_url(url):
             return error_response(400, "`url` (http://host:port, no credentials, query or fragment) is required.",
                                   param="url")
         access = _access(request)
         if not access.caller.may_register:
             return access.auth.denied(access.caller, "registering workers")
+        url = canonical_url(url)
         # LMDeploy bound to 0.0.0.0 announces http://0.0.0.0:PORT: dial the address it called us from.
         url, unspecified = _from_caller(url, access.caller.host)
         if unspecified:
@@ -279,6 +291,14 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
         labels = {"role": str(status.get("role", "Hybrid"))}
         if isinstance(status.get("speed"), int | float):
             labels["speed"] = str(status["speed"])
+        try:
+            for model in models[:ids.MAX_MODELS_PER_WORKER + 1]:
+                ids.model_name(model)
+            if len(models) > ids.MAX_MODELS_PER_WORKER:
+                raise ids.UnsafeIdentifier(f"at most {ids.MAX_MODELS_PER_WORKER} models per worker")
+            ids.labels(labels)
+        except ids.UnsafeIdentifier as exc:
+            return error_response(400, f"Invalid node status: {exc}.", param="status", code="invalid_identifier")
         if (refused := await _refuse_url(request, url)) is not None:
             return refused  # before any probe: no request reaches an address outside the allowlist
         worker_id = worker_id_from_url(url)
@@ -290,11 +310,15 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
         previous = registry.get(worker_id)
         was_drained = previous is not None and previous.drain_requested
         secret = new_secret()
+        deadline = asyncio.get_running_loop().time() + PROBE_MODELS_DEADLINE_S
         try:
-            worker = await monitor.add_by_url(url, models or None, source="nodes", labels=labels,
-                                              secret_hash=secret_hash(secret))
+            worker = await asyncio.wait_for(monitor.add_by_url(url, models or None, source="nodes", labels=labels,
+                                                               secret_hash=secret_hash(secret)),
+                                            PROBE_MODELS_DEADLINE_S)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
-            # One answer for a closed port, a timeout, a redirect or a non-OpenAI server: no port scanner.
+            # One answer, at one time, for a closed port, a silent one, a redirect or a non-OpenAI server:
+            # neither its words nor its timing tell a port scanner which ports are open.
+            await asyncio.sleep(max(0.0, deadline - asyncio.get_running_loop().time()))
             return error_response(400, "Could not list the models of that URL (GET /v1/models).", param="url",
                                   code="worker_unreachable")
         if was_drained:  # a re-announcement does not undo an operator's drain
@@ -308,15 +332,18 @@ def add_routes(app: web.Application, registry: Registry, monitor: HealthMonitor,
         if url is None:
             body = await _json_body(request)
             url = body.get("url") if isinstance(body, dict) else None
-        if not isinstance(url, str):
+        if not isinstance(url, str) or len(url) > ids.MAX_URL_CHARS:
             return error_response(400, "`url` is required.", param="url")
+        if is_worker_url(url):
+            url = canonical_url(url)
         target = next((w for w in registry.workers() if w.url == url.rstrip("/")), None)
         access = _access(request)
-        if target is not None and not access.caller.admin and not access.caller.owns(target.secret_hash):
+        if not access.caller.admin and (target is None or not access.caller.owns(target.secret_hash)):
+            # unknown, or not this caller's: one answer (no oracle of which URLs are registered)
             return access.auth.denied(access.caller, "removing this node", _secret_hashes(registry))
         worker = registry.remove_url(url) if target is not None else None
         if worker is None:
-            return error_response(404, f"No node with url {redact_text(url)}.", code="worker_not_found")
+            return error_response(404, f"No node with url {redact_text(ids.for_log(url))}.", code="worker_not_found")
         return _json({"removed": worker.worker_id, "message": "Deleted successfully"})
 
     async def nodes_status(request: web.Request) -> web.Response:
@@ -373,27 +400,17 @@ def _from_caller(url: str, caller_host: str) -> tuple[str, bool]:
     return str(parsed.with_host(str(caller))).rstrip("/"), False
 
 
-def _is_worker_url(url: str) -> bool:
-    """An absolute http(s) URL with a usable host and port: anything else fails every request later."""
-    try:
-        parsed = URL(url)
-        host, port = parsed.host, parsed.port
-    except ValueError:  # port out of range, broken IPv6 literal
-        return False
-    if parsed.user is not None or parsed.password is not None or parsed.raw_query_string or parsed.raw_fragment:
-        return False  # credentials or a query would ride along on every probe and request
-    return parsed.scheme in ("http", "https") and bool(host) and " " not in (host or "") and port is not None
-
-
 def _json(body: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
 def _invalid(exc: ValidationError) -> web.Response:
-    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
+    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg'].removeprefix('Value error, ')}"
+                         for e in exc.errors())
     first = exc.errors()[0]["loc"] if exc.errors() else ()
     return error_response(400, f"Invalid body: {problems}", param=".".join(str(p) for p in first) or None)
 
 
 def _unknown(worker_id: str) -> web.Response:
-    return error_response(404, f"No worker `{worker_id}` is registered.", code="worker_not_found")
+    return error_response(404, f"No worker `{ids.for_log(worker_id, 128)}` is registered.", code="worker_not_found")
+

@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 from aiohttp import web
 
-from proxy.config import ApiKey, FleetConfig
+from proxy.config import ApiKey, FleetConfig, StateConfig
 from proxy.errors import ProxyError, error_response
 
 log = logging.getLogger("kvroute.clientauth")
@@ -64,7 +64,7 @@ class ClientAuth:
     """The key table and rate limiter of one proxy; `enabled` is False when no key is configured."""
 
     def __init__(self, keys: Iterable[ApiKey], config: FleetConfig | None = None,
-                 metrics_token: str | None = None, redis_url: str | None = None,
+                 metrics_token: str | None = None, redis: StateConfig | None = None,
                  clock=time.monotonic) -> None:
         self._by_digest: dict[bytes, tuple[bytes, Principal]] = {}
         for entry in keys:
@@ -73,7 +73,7 @@ class ClientAuth:
             self._by_digest[digest] = (digest, _principal(entry, digest, config))
         self.enabled = bool(self._by_digest)
         self._metrics_digest = hashlib.sha256(metrics_token.encode()).digest() if metrics_token else None
-        self._limiter = RateLimiter(redis_url, clock)
+        self._limiter = RateLimiter(redis, clock)
 
     @classmethod
     def from_config(cls, config: FleetConfig, env: Mapping[str, str] | None = None) -> ClientAuth:
@@ -84,9 +84,8 @@ class ClientAuth:
         env = os.environ if env is None else env
         keys = load_keys(config.proxy.api_keys)
         keys += [ApiKey(key=k.strip()) for k in env.get(API_KEYS_ENV, "").split(",") if k.strip()]
-        url = config.state.url
         return cls(keys, config, metrics_token=config.proxy.metrics_token or None,
-                   redis_url=url if url != "memory" else None)
+                   redis=config.state if config.state.url != "memory" else None)
 
     # --- who ---------------------------------------------------------------------------------
     def authenticate(self, authorization: str | bytes | None) -> Principal:
@@ -256,10 +255,10 @@ class RateLimiter:
     each proxy falls back to its own buckets (a request is never refused because Redis is away).
     """
 
-    def __init__(self, redis_url: str | None, clock=time.monotonic) -> None:
+    def __init__(self, redis: StateConfig | None, clock=time.monotonic) -> None:
         self._local: dict[str, _Buckets] = {}
         self._clock = clock
-        self._redis_url = redis_url
+        self._redis_state = redis
         self._redis = None
         self._script = None
         self._redis_down_until = 0.0
@@ -267,7 +266,7 @@ class RateLimiter:
     async def take(self, principal: Principal, tokens: int) -> tuple[float, str]:
         """(0, "") when admitted (and charged); else (seconds to wait, "requests" | "tokens")."""
         rps, rcap, tps, tcap, cost = _bucket_params(principal, tokens)
-        if self._redis_url and self._clock() >= self._redis_down_until:
+        if self._redis_state is not None and self._clock() >= self._redis_down_until:
             try:
                 return await self._take_redis(principal.key_id, rps, rcap, tps, tcap, cost)
             except Exception as exc:  # any Redis failure: degrade to local limits, never refuse for it
@@ -301,9 +300,10 @@ class RateLimiter:
     async def _take_redis(self, key_id: str, rps: float, rcap: float, tps: float, tcap: float,
                           cost: float) -> tuple[float, str]:
         if self._redis is None:
-            import redis.asyncio as aioredis
+            from proxy.security.redisconn import redis_client
 
-            self._redis = aioredis.from_url(self._redis_url, socket_connect_timeout=1, socket_timeout=1)
+            assert self._redis_state is not None
+            self._redis = redis_client(self._redis_state, connect_timeout_s=1, timeout_s=1)
             self._script = self._redis.register_script(_TAKE_LUA)
         admitted, wait_ms, which = await asyncio.wait_for(
             self._script(keys=[RATE_KEY.format(key_id)], args=[rps, rcap, tps, tcap, cost]), 2.0)

@@ -1,13 +1,15 @@
 """Which addresses a worker URL may point at: the CIDR allowlist, and never the proxy itself.
 
-Owns parsing CIDR lists, resolving a URL's host (asynchronously) and the verdict on it; it sends
-no request to the URL. Not who may register (controlauth.py) nor the probe that follows (monitor).
+Owns parsing CIDR lists, the one canonical form of a worker URL, resolving a URL's host
+(asynchronously) and the verdict on it; it sends no request to the URL. Not who may register
+(controlauth.py) nor the probe that follows (monitor).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import socket
 from collections.abc import Iterable
 
@@ -37,14 +39,53 @@ def parse_networks(values: Iterable[str]) -> tuple[IPNetwork, ...]:
     return tuple(out)
 
 
+# The numeric IPv4 forms inet_aton reads besides dotted quads: 127.1, 2130706433, 0x7f.1, 017700000001.
+_LEGACY_IPV4 = re.compile(r"(0[xX][0-9a-fA-F]+|[0-9]+)(\.(0[xX][0-9a-fA-F]+|[0-9]+)){0,3}")
+
+
 def _address(host: str) -> IPAddress | None:
+    """The address an IP literal names, in any form a resolver accepts (IPv4-mapped IPv6 as IPv4); None for a name."""
+    bare = host.split("%", 1)[0].strip("[]")
     try:
-        addr = ipaddress.ip_address(host.split("%", 1)[0].strip("[]"))
+        addr = ipaddress.ip_address(bare)
     except ValueError:
-        return None
+        if not _LEGACY_IPV4.fullmatch(bare):
+            return None
+        try:
+            return ipaddress.IPv4Address(socket.inet_aton(bare))
+        except OSError:
+            return None
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         return addr.ipv4_mapped
     return addr
+
+
+def is_worker_url(url: str) -> bool:
+    """An absolute http(s) URL with a usable host and port: anything else fails every request later."""
+    try:
+        parsed = URL(url)
+        host, port = parsed.host, parsed.port
+    except ValueError:  # port out of range, broken IPv6 literal
+        return False
+    if parsed.user is not None or parsed.password is not None or parsed.raw_query_string or parsed.raw_fragment:
+        return False  # credentials or a query would ride along on every probe and request
+    return parsed.scheme in ("http", "https") and bool(host) and " " not in (host or "") and port is not None
+
+
+def canonical_url(url: str) -> str:
+    """One spelling per worker address, so that duplicate detection sees one endpoint once: an IP literal
+    in its standard form (`127.1`, `2130706433`, `[::ffff:127.0.0.1]` -> `127.0.0.1`; `[0:0::1]` -> `[::1]`),
+    a host name lower-cased without a trailing dot, the port always written, no trailing slash.
+    Names are not resolved here: two names may be two virtual hosts behind one address."""
+    parsed = URL(url)
+    host = parsed.host or ""
+    addr = _address(host)
+    if addr is None:
+        text = host.lower().rstrip(".")
+    else:
+        zone = host.split("%", 1)[1] if "%" in host and addr.version == 6 else ""
+        text = f"[{addr}%25{zone}]" if zone else (f"[{addr}]" if addr.version == 6 else str(addr))
+    return f"{parsed.scheme.lower()}://{text}:{parsed.port}{parsed.raw_path.rstrip('/')}"
 
 
 def address_in(host: str, networks: Iterable[IPNetwork]) -> bool:

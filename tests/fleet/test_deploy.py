@@ -19,7 +19,8 @@ from proxy.fleet.reconcile import local_gpu_demands
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MANIFESTS = sorted((DEPLOY / "k8s").glob("*.yaml"))
-ENV = {"KVROUTE_ADMIN_TOKEN": "a", "KVROUTE_WORKER_TOKEN": "w"}
+ENV = {"KVROUTE_ADMIN_TOKEN": "a", "KVROUTE_WORKER_TOKEN": "w", "KVROUTE_REDIS_PASSWORD": "r",
+       "KVROUTE_STATE_KEY": "s" * 32}
 
 kubernetes = pytest.importorskip("kubernetes", reason="the dev extra installs the kubernetes client")
 
@@ -88,6 +89,35 @@ def test_proxy_configmap_is_a_valid_fleet_config():
     assert cfg.proxy.host == "0.0.0.0" and cfg.state.url.startswith("redis://")
     (redis_svc,) = [s for s in by_kind("Service") if "redis" in s["metadata"]["name"]]
     assert redis_svc["metadata"]["name"] in cfg.state.url
+
+
+def _env_from_secrets(container: dict) -> dict[str, tuple[str, str]]:
+    return {e["name"]: (e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
+            for e in container.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
+
+
+def test_redis_takes_a_password_the_proxies_have_and_answers_only_the_proxies():
+    # Issue 33, item 8: the manifest ran Redis with no password and no network policy.
+    (redis_dep,) = [d for d in by_kind("Deployment") if d["metadata"]["name"] == "kvroute-redis"]
+    (proxy_dep,) = [d for d in by_kind("Deployment") if d["metadata"]["name"] == "kvroute-proxy"]
+    redis_c, proxy_c = redis_dep["spec"]["template"]["spec"]["containers"][0], \
+        proxy_dep["spec"]["template"]["spec"]["containers"][0]
+    args = redis_c["args"]
+    password_var = args[args.index("--requirepass") + 1].removeprefix("$(").removesuffix(")")
+    secret = _env_from_secrets(redis_c)[password_var]
+    assert secret[0] in {s["metadata"]["name"] for s in by_kind("Secret")}
+    (cm,) = by_kind("ConfigMap")
+    state_text = cm["data"]["config.yaml"].split("state:", 1)[1]
+    proxy_var = re.search(r"password: \$\{(\w+)\}", state_text).group(1)
+    assert _env_from_secrets(proxy_c)[proxy_var] == secret  # the same Secret's value on both sides
+    cfg = parse_config(cm["data"]["config.yaml"], env=ENV)
+    assert cfg.state.password == ENV[proxy_var] and cfg.state.secret_key
+    (policy,) = [p for p in by_kind("NetworkPolicy") if p["metadata"]["name"] == "kvroute-redis"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == redis_dep["spec"]["template"]["metadata"]["labels"]
+    (rule,) = policy["spec"]["ingress"]
+    (source,) = rule["from"]
+    assert source["podSelector"]["matchLabels"] == proxy_dep["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
 
 
 def test_proxy_deployment_runs_a_real_command():

@@ -146,3 +146,25 @@ def test_every_replica_sees_every_workers_reports_within_one_report_interval(pro
         time.sleep(0.05)
     # the replica a worker does not talk to is never more than one report behind the one it does
     assert len(lags) > 20 and max(lags) <= 1, lags
+
+
+def test_a_worker_whose_proxy_died_is_scraped_and_routed_normally_by_the_other_replica(procs, tmp_path, redis_url):
+    # Issue 33, item 11: each worker knows only its own proxy (the LMDeploy way: one --proxy-url). After one
+    # proxy was SIGKILLed, the other kept the dead proxy's workers stale ("used when nothing ready is left")
+    # although they answered; now it reads their engines' /metrics, as for a worker that never reported.
+    a = _replica(procs, tmp_path, redis_url)
+    b = _replica(procs, tmp_path, redis_url, "--policy", "round_robin")
+    own = {"to-a-0": a, "to-a-1": a, "to-b": b}
+    for worker_id, proxy in own.items():
+        _start_sim(procs, worker_id, free_port(), [proxy.url])
+    b.wait_workers(lambda ws: {w["worker_id"] for w in ws if w["state"] == "ready"} == set(own),
+                   what="all workers ready on b")
+    next(p for p in procs.procs if p.name == "proxy").signal(signal.SIGKILL)  # a, with no goodbye
+    # they go stale (no report for STALE_AFTER_S), then b's scrapes make them ready again
+    b.wait_workers(lambda ws: {w["worker_id"]: w["reading_source"] for w in ws if w["state"] == "ready"}
+                   == {"to-a-0": "metrics", "to-a-1": "metrics", "to-b": "report"}, timeout=15,
+                   what="a's workers ready on b, read from their /metrics")
+    assert {b.chat(f"q{i}").headers["x-kvroute-worker"] for i in range(9)} == set(own)
+    time.sleep(3.0)  # and they stay so: scraped at the non-reporting cadence, not stale again
+    assert set(_ready(b)) == set(own)
+    assert all(w["reading_age_s"] < 1.5 for w in _ready(b).values())

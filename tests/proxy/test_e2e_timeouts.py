@@ -88,7 +88,7 @@ def test_health_ready_and_metrics(fleet):
                    'kvroute:request_latency_seconds_bucket{le="0.005",model="m1"}',
                    'kvroute:time_to_first_byte_seconds_count{model="m1"} 1.0',
                    f'kvroute:routing_decisions_total{{policy="kv_aware",reason="lowest_cost",worker="{sim.worker_id}"}} 1.0',
-                   'kvroute:rejections_total{model="nope",reason="model_not_found"} 1.0',
+                   'kvroute:rejections_total{model="other",reason="model_not_found"} 1.0',  # unknown names: other
                    f'kvroute:worker_in_flight{{worker="{sim.worker_id}"}} 0.0',
                    f'kvroute:worker_kv_usage{{worker="{sim.worker_id}"}}',
                    f'kvroute:worker_queue{{worker="{sim.worker_id}"}}',

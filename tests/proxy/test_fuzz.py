@@ -7,6 +7,7 @@ examples are derandomized so a failure reproduces.
 
 from __future__ import annotations
 
+import json
 import string
 
 import httpx
@@ -17,6 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.api.openapi import build_document
+from proxy.protocol import INT64_MAX, MAX_KV_CAPACITY_TOKENS, MAX_REQUESTS, MAX_STEP_TOKENS, MAX_UNIX_TIME
+from proxy.security import identifiers as ids
 from tests.support.procs import ProcessGroup, free_port, wait_http_ok, wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -36,6 +39,7 @@ class Proxy:
     def __init__(self, group: ProcessGroup, url: str, proc) -> None:
         self.group, self.url, self.proc = group, url, proc
         self.http = httpx.Client(timeout=15.0)
+        self.secrets: dict[str, str] = {}
 
     def post(self, path: str, **kwargs) -> httpx.Response:
         return self.http.post(self.url + path, **kwargs)
@@ -187,6 +191,78 @@ def test_fuzzed_control_plane_payloads_never_get_a_500(proxy, payload, report, n
         except orjson.JSONEncodeError:
             continue
         assert_sane(proxy, proxy.post(path, content=content, headers={"Content-Type": "application/json"}))
+
+
+# --- at the limits: integers and strings at, just past and far past each bound (issue 33, items 2 and 7) ------
+
+def _around(*bounds: int) -> list[int]:
+    return sorted({v for b in bounds for v in (b - 1, b, b + 1)})
+
+
+limit_ints = st.sampled_from(_around(0, MAX_REQUESTS, MAX_STEP_TOKENS, MAX_KV_CAPACITY_TOKENS, INT64_MAX, 2**64)
+                             + [-(2**63) - 1, 10**30]) | st.integers(-(2**70), 2**70)
+limit_floats = st.sampled_from([0.0, -0.0, 1.0, 1.0000001, -1e-300, 1e-300, 1e308, float("inf"), float("nan"),
+                                MAX_UNIX_TIME + 1.0, 2.0**63]) | st.floats()
+limit_strings = st.sampled_from(["w", "a" * ids.MAX_WORKER_ID_CHARS, "a" * (ids.MAX_WORKER_ID_CHARS + 1),
+                                 "m" * ids.MAX_MODEL_NAME_CHARS, "m" * (ids.MAX_MODEL_NAME_CHARS + 1),
+                                 "x\r\nSet-Cookie: a=b", "x\n", "\x00", "\x1b[2J", "..", "a/b", "caf\u00e9", "",
+                                 " ", "Qwen/Qwen3-VL-8B", "\ud800"]) | st.text(max_size=300)
+
+
+def _send(proxy: Proxy, path: str, body: object, headers: dict[str, str] | None = None) -> httpx.Response:
+    # json, not orjson: integers past 64 bits, NaN and Infinity are what is being sent
+    content = json.dumps(body, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    return proxy.post(path, content=content, headers={"Content-Type": "application/json", **(headers or {})})
+
+
+def assert_views_answer(proxy: Proxy) -> None:
+    """Whatever was accepted, every view of the fleet still serialises (it answered 500 before)."""
+    for path in ("/workers", "/v1/models", "/dashboard/state", "/nodes/status"):
+        resp = proxy.http.get(proxy.url + path)
+        assert resp.status_code == 200, (path, resp.status_code, resp.text[:300])
+        resp.json()
+
+
+limit_registrations = st.fixed_dictionaries(
+    {"url": st.sampled_from(["http://127.0.0.1:9", "http://127.1:9", "http://[::ffff:127.0.0.1]:9"]) | limit_strings,
+     "models": st.lists(limit_strings, max_size=3) | st.just([f"m{i}" for i in range(ids.MAX_MODELS_PER_WORKER + 1)])},
+    optional={"worker_id": limit_strings, "kv_capacity_tokens": limit_ints, "max_model_len": limit_ints,
+              "labels": st.dictionaries(limit_strings, limit_strings, max_size=3), "boot_id": limit_strings,
+              "api_key": limit_strings, "gpus": st.lists(limit_strings, max_size=3), "reports": st.booleans()})
+
+
+@settings(FUZZ, max_examples=40)
+@given(body=limit_registrations)
+def test_registrations_at_the_limits_never_get_a_500_and_every_view_still_answers(proxy, body):
+    resp = _send(proxy, "/workers", body)
+    assert_sane(proxy, resp)
+    if resp.status_code == 200:
+        worker_id = resp.json()["worker_id"]
+        assert ids.worker_id(worker_id) == worker_id and len(worker_id) <= ids.MAX_WORKER_ID_CHARS
+    assert_views_answer(proxy)
+
+
+limit_reports = st.fixed_dictionaries(
+    {"worker_id": st.just("fz-limits") | limit_strings, "url": st.just("http://127.0.0.1:7") | limit_strings,
+     "models": st.just(["m1"]) | st.lists(limit_strings, max_size=2),
+     "kv_cache_usage": limit_floats, "kv_capacity_tokens": limit_ints, "num_running": limit_ints,
+     "num_waiting": limit_ints, "seq": limit_ints},
+    optional={"sent_at": limit_floats, "prefix_cache_hit_rate": limit_floats, "prefill_tokens_per_s": limit_floats,
+              "decode_step_s": limit_floats, "max_num_batched_tokens": limit_ints, "boot_id": limit_strings,
+              "state": st.sampled_from(["ready", "draining", "failed", "starting"]) | limit_strings})
+
+
+@settings(FUZZ, max_examples=40)
+@given(report=limit_reports)
+def test_reports_at_the_limits_never_get_a_500_and_every_view_still_answers(proxy, report):
+    registered = _send(proxy, "/workers", {"worker_id": "fz-limits", "url": "http://127.0.0.1:7", "models": ["m1"],
+                                           "reports": True}, {"Authorization": f"Bearer {proxy.secrets.get('fz')}"}
+                       if proxy.secrets.get("fz") else None)
+    if registered.status_code == 200:
+        proxy.secrets["fz"] = registered.json()["worker_secret"]
+    resp = _send(proxy, "/workers/fz-limits/report", report, {"Authorization": f"Bearer {proxy.secrets.get('fz')}"})
+    assert_sane(proxy, resp)
+    assert_views_answer(proxy)
 
 
 # --- Schemathesis against the proxy's own OpenAPI document -------------------------------------------------

@@ -70,8 +70,13 @@ def test_refused_reports_get_the_control_planes_answers(proxy):
                     {"Authorization": f"Bearer {WORKER_TOKEN}"}):
         denied = fleet.http.post(fleet.url + "/workers/w1/report", headers=headers, json=_report("w1", 6))
         assert denied.status_code in (401, 403) and "error" in denied.json(), headers
+    # an id this secret does not own, registered or not: one answer (no id oracle, issue 33 item 10); a
+    # worker's own secret that the proxy forgot gets 401, on which its reporter registers again
     unknown = fleet.http.post(fleet.url + "/workers/w9/report", headers=mine, json=_report("w9", 1))
-    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "worker_not_found"
+    assert unknown.status_code == 403 and unknown.json()["error"]["code"] == "forbidden"
+    forgotten = fleet.http.post(fleet.url + "/workers/w9/report", headers={"Authorization": "Bearer forgotten"},
+                                json=_report("w9", 1))
+    assert forgotten.status_code == 401
     # none of these changed what the proxy holds for w1
     assert fleet.http.get(fleet.url + "/workers/w1", headers=admin).json()["last_report"] is None
     # the admin may still report for a worker (through the control plane, as before)

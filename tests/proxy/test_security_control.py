@@ -237,8 +237,30 @@ async def test_registration_returns_a_secret_that_alone_acts_on_that_worker(make
     # Each acts on itself; the admin on anyone.
     assert (await proxy.call("POST", "/workers/a/drain", token=sa))[0] == 200
     assert (await proxy.call("DELETE", "/workers/a", token=sa))[0] == 200
-    assert (await proxy.call("DELETE", "/workers/a", token=sa))[0] == 404  # gone: a reporter registers again
+    assert (await proxy.call("DELETE", "/workers/a", token=sa))[0] == 401  # gone: a reporter registers again
     assert (await proxy.call("POST", "/workers/b/drain", token=ADMIN))[0] == 200
+
+
+async def test_no_credential_tells_a_registered_worker_id_from_an_unknown_one(make_proxy):
+    # Issue 33, item 10: with any token, GET /workers/ID (and drain, delete, report) answered 401 for a
+    # registered id and 404 otherwise; a caller could enumerate the fleet's ids.
+    proxy = await make_proxy(TOKENS)
+    _, b = await proxy.register("b", "http://127.0.0.1:9002", token=WORKER_TOKEN)
+    _, a = await proxy.register("a", "http://127.0.0.1:9001", token=WORKER_TOKEN)
+    routes = [("GET", "/workers/{}"), ("POST", "/workers/{}/drain"), ("DELETE", "/workers/{}"),
+              ("POST", "/workers/{}/report")]
+    for token in ("junk", WORKER_TOKEN, a["worker_secret"], None):
+        for source in (None, REMOTE):
+            for method, path in routes:
+                if token is None and source is None and method == "GET":
+                    continue  # this machine reads without a token: it may list every worker anyway
+                known = await proxy.call(method, path.format("b"), token, source, json={})
+                unknown = await proxy.call(method, path.format("nobody"), token, source, json={})
+                assert known == unknown and known[0] in (401, 403), (token, source, method, path, known, unknown)
+    for url in ("http://127.0.0.1:9002", "http://127.0.0.1:9099"):  # /nodes/remove by URL: the same
+        assert (await proxy.call("POST", "/nodes/remove", "junk", json={"url": url}))[0] == 401
+    assert (await proxy.call("GET", "/workers/nobody", ADMIN))[0] == 404  # the admin is told the truth
+    assert (await proxy.call("GET", "/workers/b", ADMIN))[0] == 200
 
 
 async def test_a_live_worker_cannot_be_replaced_by_id_or_url(make_proxy):
