@@ -79,12 +79,16 @@ class ProxyMetrics:
                                   "mid-stream (continued), ended with an error event (failed), and non-streamed "
                                   "requests started again elsewhere after their worker broke (restarted)",
                                   ["model", "outcome"], registry=r)
+        # The data plane's self-protection (proxy/dataplane/gate.py, exchange.py, migration.py)
+        self.bad_responses = CachedCounter("kvroute:bad_upstream_responses", "Worker answers HTTP does not allow "
+                                           "(unreadable, oversized or invalid head), never relayed", ["worker"],
+                                           registry=r)
         r.register(_WorkerGauges(registry))
         # Worker ids churn (a new generation per restart): a removed worker's label sets go with it, or
         # /metrics would grow for as long as the proxy runs.
         self._per_worker: tuple[tuple[CachedCounter, tuple[str, ...]], ...] = (
             (self.requests, ("model", "worker", "status")), (self.decisions, ("policy", "worker", "reason")),
-            (self.stream_failures, ("model", "worker")))
+            (self.stream_failures, ("model", "worker")), (self.bad_responses, ("worker",)))
         registry.add_listener(self._on_registry_change)
 
 

@@ -20,7 +20,8 @@ from httptools import HttpParserCallbackError, HttpParserError, HttpParserUpgrad
 from proxy.config import ProxyLimits
 from proxy.dataplane import http
 from proxy.dataplane.budget import BodyBudget
-from proxy.dataplane.incoming import IncomingRequest, Refused
+from proxy.dataplane.heads import REQUEST_LINE_SLACK, HeadBound, feed_bounded
+from proxy.dataplane.incoming import MAX_URL_BYTES, IncomingRequest, Refused
 from proxy.dataplane.relay import ClientListener
 from proxy.errors import ProxyError
 from proxy.security.clientauth import ClientAuth
@@ -60,13 +61,15 @@ class ClientConnection(asyncio.Protocol):
 
     __slots__ = ("plane", "loop", "transport", "parser", "request", "pending", "busy", "task", "exchange",
                  "http11", "keep_alive", "closed", "write_blocked_since", "reading_paused", "broken", "peer",
-                 "timer", "timer_at", "wait_kind", "wait_since", "counted", "current", "reserved", "budget_need")
+                 "timer", "timer_at", "wait_kind", "wait_since", "counted", "current", "reserved", "budget_need",
+                 "head")
 
     def __init__(self, plane: Server) -> None:
         self.plane = plane
         self.loop = plane.loop
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.parser = HttpRequestParser(self)
+        self.head = HeadBound(plane.limits.max_header_bytes + MAX_URL_BYTES + REQUEST_LINE_SLACK)
         self.request: IncomingRequest | None = None   # being parsed
         self.pending: deque[IncomingRequest] = deque()  # parsed, waiting for their turn
         self.busy = False
@@ -111,7 +114,10 @@ class ClientConnection(asyncio.Protocol):
         if self.broken:
             return
         try:
-            self.parser.feed_data(data)
+            if not feed_bounded(self.parser, self.head, data):
+                self._refuse(ProxyError(431, "The request head (or its trailers) is larger than the proxy accepts.",
+                                        code="request_header_fields_too_large"), True)
+                return
         except HttpParserCallbackError as exc:  # httptools wraps what a callback raised
             refused = exc.__context__
             if isinstance(refused, Refused):
@@ -173,6 +179,7 @@ class ClientConnection(asyncio.Protocol):
         self.request.add_header(name, value, self.plane.limits)
 
     def on_headers_complete(self) -> None:
+        self.head.reading = False
         req = self.request
         plane = self.plane
         need = req.head_complete(self.parser, plane.client_auth, plane.max_body)
@@ -217,10 +224,15 @@ class ClientConnection(asyncio.Protocol):
         self._refuse(ProxyError(503, "The proxy holds as many request bodies as it may right now; retry shortly.",
                                 "service_unavailable", code="body_memory_full", headers={"Retry-After": "1"}), True)
 
+    def on_chunk_header(self) -> None:
+        self.head.start()  # the last chunk's trailers may follow: bounded as a head is
+
     def on_body(self, body: bytes) -> None:
+        self.head.reading = False
         self.request.add_body(body, self.plane.max_body)
 
     def on_message_complete(self) -> None:
+        self.head.start()  # the next request's head
         req = self.request
         self.request = None
         self.wait_kind = _NOTHING
