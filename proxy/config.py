@@ -105,6 +105,9 @@ class ProxyLimits(RequestLimits):
                                          description="request bodies held in memory at once, all requests together")
     buffered_body_wait_s: float = Field(5.0, ge=0,
                                         description="a body that does not fit waits this long for room, then 503")
+    max_connections_per_client: int = Field(1024, ge=1, description=(
+        "open connections from one client address (loopback included; an IPv6 client by its /64); further ones "
+        "get 429 and are closed. Behind a load balancer that does not keep client addresses, raise it"))
 
 
 class ProxyConfig(_Strict):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -83,6 +83,14 @@ class ProxyMetrics:
         self.bad_responses = CachedCounter("kvroute:bad_upstream_responses", "Worker answers HTTP does not allow "
                                            "(unreadable, oversized or invalid head), never relayed", ["worker"],
                                            registry=r)
+        self.connections_shed = CachedCounter("kvroute:client_connections_shed", "Client connections refused "
+                                              "(total_cap, per_client_cap) or closed idle early (idle_under_pressure)",
+                                              ["reason"], registry=r)
+        self.client_connections = Gauge("kvroute:client_connections", "Open client connections", registry=r)
+        self.accept_pauses = Counter("kvroute:accept_pauses", "Times accepting connections paused: file descriptors "
+                                     "near the process limit", registry=r)
+        self.accepting = Gauge("kvroute:accepting", "1 while new client connections are accepted, 0 while paused",
+                               registry=r)
         r.register(_WorkerGauges(registry))
         # Worker ids churn (a new generation per restart): a removed worker's label sets go with it, or
         # /metrics would grow for as long as the proxy runs.

@@ -5,6 +5,8 @@ endless stream, `Connection: Upgrade`, and worker headers the proxy must not rel
 
 from __future__ import annotations
 
+import re
+import resource
 import socket
 import sys
 import threading
@@ -16,6 +18,7 @@ import pytest
 from httptools import HttpRequestParser
 
 from proxy.dataplane import http
+from proxy.dataplane.gate import client_key
 from proxy.dataplane.heads import HeadBound, feed_bounded
 from proxy.errors import ProxyError
 from tests.proxy.fleet import Fleet
@@ -119,6 +122,13 @@ def chat_body(stream: bool = False) -> bytes:
                          "messages": [{"role": "user", "content": "hi"}]})
 
 
+def raise_own_fd_limit(need: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(need, soft)), hard))
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= need, "this test needs more open files"
+
+
 # --- in process: the head bound and the header check ------------------------------------------------
 class _Heads:
     """An httptools protocol that keeps a HeadBound informed, as connection.py does."""
@@ -181,6 +191,12 @@ def test_header_values_the_proxy_writes_are_escaped_and_bounded():
     assert http.invalid_field([(b"ok", b"fine\tvalue\x80")]) is None
     assert http.invalid_field([(b"ok", b"1"), (b"bad name", b"1")]) == b"bad name"
     assert http.invalid_field([(b"x", b"v" * (http.MAX_VALUE_BYTES + 1))]) == b"x"
+
+
+def test_a_client_is_its_ipv4_address_or_its_ipv6_slash_64():
+    assert client_key(b"10.1.2.3") == b"10.1.2.3"
+    assert client_key(b"2001:db8::1") == client_key(b"2001:db8:0:0:ffff::2") != client_key(b"2001:db8:0:1::1")
+    assert client_key(b"::ffff:10.1.2.3") == b"10.1.2.3"
 
 
 # --- item 3: a huge header value, both ways ----------------------------------------------------------
@@ -282,3 +298,110 @@ def test_an_upgrade_request_gets_one_answer_and_nothing_is_served_without_its_bo
     assert answer.count(b"HTTP/1.1 ") == 1, answer
     assert answer.startswith(b"HTTP/1.1 501 ") and b"upgrade_not_supported" in answer
     assert httpx.get(raw + "/progress", timeout=5).json()["posts"] == posts  # the worker got nothing
+
+
+# --- item 4: connections -----------------------------------------------------------------------------
+ATTACK_CONNECTIONS = 4100
+
+
+def test_4100_idle_connections_from_one_address_leave_room_for_everyone_else(fleet, raw):
+    raise_own_fd_limit(ATTACK_CONNECTIONS + 512)
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(ATTACK_CONNECTIONS):
+            idle.append(connect(fleet.url))
+        served = 0
+        with client_from("127.0.0.2") as other:
+            for i in range(100):
+                try:
+                    resp = other.post(fleet.url + "/v1/chat/completions", content=chat_body(stream=i % 2 == 1),
+                                      headers={"content-type": "application/json",
+                                               "x-test-mode": "chunked" if i % 2 else "length"})
+                    served += resp.status_code == 200
+                except httpx.HTTPError:
+                    pass
+            metrics = other.get(fleet.url + "/metrics").text
+        refused = [s for s in idle[-100:] if closed_by_peer(s)]
+    finally:
+        for sock in idle:
+            sock.close()
+    assert served >= 99, f"{served} of 100 requests from another address were served"
+    # the attacker kept max_connections_per_client (1024), no more: the rest were answered 429 and closed
+    assert metric(metrics, 'kvroute:client_connections_shed_total{reason="per_client_cap"}') >= \
+        ATTACK_CONNECTIONS - 1024
+    assert len(refused) == 100
+
+
+BUSY_CONFIG = """
+proxy:
+  limits:
+    max_client_connections: 40
+    max_connections_per_client: 16
+    header_read_timeout_s: 30
+"""
+
+
+def test_a_busy_proxy_closes_idle_connections_within_seconds_and_caps_each_client(procs, tmp_path):
+    fleet = Fleet(procs, tmp_path)
+    try:
+        fleet.start_proxy(config=BUSY_CONFIG)
+        keeper = connect(fleet.url, "127.0.0.2")
+        keeper.sendall(b"GET /health HTTP/1.1\r\nHost: p\r\n\r\n")
+        assert keeper.recv(65536).startswith(b"HTTP/1.1 200 ")
+        time.sleep(3)  # not busy: an idle keep-alive connection outlives the busy keep-alive (2 s)
+        assert not closed_by_peer(keeper)
+        flood = [connect(fleet.url, "127.0.0.3") for _ in range(16)]
+        over = connect(fleet.url, "127.0.0.3")
+        assert read_all(over).startswith(b"HTTP/1.1 429 ")  # the 17th from one client: refused at once
+        flood += [connect(fleet.url, f"127.0.0.{4 + i % 2}") for i in range(8)]  # 25 open of 40: busy
+        started = time.monotonic()
+        # idle ones are closed until fewer than 40% of the cap (16) are open; then the long keep-alive is back
+        wait_until(lambda: sum(closed_by_peer(s) for s in [keeper, *flood]) >= 25 - 16, 20, 0.2,
+                   "idle connections closed while the proxy is busy")
+        # before: 75 s for an idle keep-alive connection, header_read_timeout_s (30 here) for a silent one
+        assert time.monotonic() - started < 15
+        with client_from("127.0.0.2") as other:
+            assert other.get(fleet.url + "/health").status_code == 200
+            metrics = other.get(fleet.url + "/metrics").text
+        assert metric(metrics, 'kvroute:client_connections_shed_total{reason="idle_under_pressure"}') >= 25 - 16
+        assert metric(metrics, 'kvroute:client_connections_shed_total{reason="per_client_cap"}') >= 1
+        for sock in [keeper, over, *flood]:
+            sock.close()
+    finally:
+        fleet.close()
+
+
+FD_CONFIG = """
+proxy:
+  limits:
+    max_connections_per_client: 2000
+"""
+
+
+def test_accepting_pauses_near_the_fd_limit_and_resumes_without_a_crash(procs, tmp_path):
+    (tmp_path / "config.yaml").write_text(FD_CONFIG)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    # soft 200, hard 256: the proxy raises its soft limit to 256 itself
+    launcher = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (200, 256)); "
+                "os.execv(sys.executable, [sys.executable, '-m', 'proxy.cli', *sys.argv[1:]])")
+    proxy = procs.start([sys.executable, "-c", launcher, "proxy", "--port", str(port), "--config",
+                         str(tmp_path / "config.yaml")], name="proxy")
+    wait_http_ok(url + "/health", timeout=30)
+    limits = open(f"/proc/{proxy.pid}/limits").read()
+    assert re.search(r"Max open files\s+256\s+256", limits), limits
+    raise_own_fd_limit(1024)
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(300):  # connect() completes in the kernel's backlog while the proxy does not accept
+            flood.append(connect(url))
+        wait_until(lambda: "accepting new connections paused" in proxy.log(), 20, 0.2, "accepting to pause")
+        wait_until(lambda: "accepting new connections again" in proxy.log(), 30, 0.2, "accepting to resume")
+        assert proxy.alive()
+        with client_from("127.0.0.2") as other:
+            wait_until(lambda: other.get(url + "/health").status_code == 200, 20, 0.2, "a new connection served")
+            metrics = other.get(url + "/metrics").text
+        assert metric(metrics, "kvroute:accept_pauses_total") >= 1
+    finally:
+        for sock in flood:
+            sock.close()
