@@ -108,6 +108,9 @@ class ProxyLimits(RequestLimits):
     max_connections_per_client: int = Field(1024, ge=1, description=(
         "open connections from one client address (loopback included; an IPv6 client by its /64); further ones "
         "get 429 and are closed. Behind a load balancer that does not keep client addresses, raise it"))
+    max_migration_text_bytes: int = Field(4 * 1024 * 1024, ge=0, description=(
+        "streamed text kept per stream so it can move to another worker mid-stream; a longer answer is still "
+        "relayed whole, but ends with an error event if its worker fails"))
 
 
 class ProxyConfig(_Strict):

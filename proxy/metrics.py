@@ -76,8 +76,9 @@ class ProxyMetrics:
         self.stream_failures = CachedCounter("kvroute:stream_failures", "Streams a worker broke after the first byte",
                                        ["model", "worker"], registry=r)
         self.migrations = CachedCounter("kvroute:migrations", "Streams handed to another worker after their worker failed "
-                                  "mid-stream (continued), ended with an error event (failed), and non-streamed "
-                                  "requests started again elsewhere after their worker broke (restarted)",
+                                  "mid-stream (continued), ended with an error event (failed), non-streamed "
+                                  "requests started again elsewhere after their worker broke (restarted), and "
+                                  "streams longer than proxy.limits.max_migration_text_bytes (text_limit: not movable)",
                                   ["model", "outcome"], registry=r)
         # The data plane's self-protection (proxy/dataplane/gate.py, exchange.py, migration.py)
         self.bad_responses = CachedCounter("kvroute:bad_upstream_responses", "Worker answers HTTP does not allow "

@@ -300,6 +300,31 @@ def test_an_upgrade_request_gets_one_answer_and_nothing_is_served_without_its_bo
     assert httpx.get(raw + "/progress", timeout=5).json()["posts"] == posts  # the worker got nothing
 
 
+# --- item 6: an endless stream -----------------------------------------------------------------------
+def test_an_endless_stream_keeps_the_proxys_memory_bounded(fleet, raw):
+    pid = fleet.proxy.pid
+    body = chat_body(stream=True)
+    sock = connect(fleet.url)
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: p\r\nContent-Type: application/json\r\n"
+                     b"x-test-mode: chat-flood\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        first = sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200 ")
+        before = rss_mib(pid)
+        received = len(first)
+        while received < 192 * MIB:  # before the fix, the proxy kept all of its text
+            data = sock.recv(MIB)
+            assert data, "the stream ended"
+            received += len(data)
+        after = rss_mib(pid)
+    finally:
+        sock.close()
+    assert after - before < 40, f"RSS grew {after - before:.1f} MiB while 192 MiB streamed"
+    wait_until(lambda: metric(fleet.http.get(fleet.url + "/metrics").text,
+                              'kvroute:migrations_total{model="m1",outcome="text_limit"}') >= 1, 10,
+               what="the stream counted as too long to move")
+
+
 # --- item 4: connections -----------------------------------------------------------------------------
 ATTACK_CONNECTIONS = 4100
 
