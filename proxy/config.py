@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from proxy.engine_env import ENGINE_ENV_NAMES, ENGINE_ENV_PREFIXES, engine_env_allowed
 from proxy.pools import EcTransfer, KvTransfer, Pool, PoolConfigError, check_pools
 from proxy.routing_config import PolicyKnobs, RoutingConfig
 from proxy.security.networks import DEFAULT_WORKER_NETWORKS
@@ -105,6 +106,12 @@ class ProxyLimits(RequestLimits):
                                          description="request bodies held in memory at once, all requests together")
     buffered_body_wait_s: float = Field(5.0, ge=0,
                                         description="a body that does not fit waits this long for room, then 503")
+    max_connections_per_client: int = Field(1024, ge=1, description=(
+        "open connections from one client address (loopback included; an IPv6 client by its /64); further ones "
+        "get 429 and are closed. Behind a load balancer that does not keep client addresses, raise it"))
+    max_migration_text_bytes: int = Field(4 * 1024 * 1024, ge=0, description=(
+        "streamed text kept per stream so it can move to another worker mid-stream; a longer answer is still "
+        "relayed whole, but ends with an error event if its worker fails"))
 
 
 class ProxyConfig(_Strict):
@@ -207,24 +214,6 @@ class StateConfig(_Strict):
 
 
 EngineArgs = dict[str, str | int | float | bool | list[str | int | float] | None] | list[str]
-
-
-# What a model's `env` may set: what engines read, never what changes which code an interpreter or library
-# runs (PYTHONPATH, LD_PRELOAD, PATH, BROWSER, ...). Workers inherit kvroute's own environment besides.
-ENGINE_ENV_PREFIXES = ("CUDA_", "NCCL_", "NVIDIA_", "VLLM_", "LMDEPLOY_", "TM_", "HF_", "NIXL_", "UCX_", "GLOO_",
-                       "OMP_", "MKL_", "OPENBLAS_", "KMP_", "PYTORCH_CUDA_", "TORCH_NCCL_", "TORCH_CUDA_",
-                       "RAY_", "KVROUTE_SIM_")
-ENGINE_ENV_NAMES = frozenset({"TOKENIZERS_PARALLELISM", "TRANSFORMERS_OFFLINE", "HUGGING_FACE_HUB_TOKEN",
-                              "TP_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "TZ"})
-# Inside those prefixes, names that load code or configuration from a path.
-ENGINE_ENV_REFUSED = frozenset({"VLLM_LOGGING_CONFIG_PATH", "VLLM_PLUGINS", "VLLM_USE_PRECOMPILED",
-                                "VLLM_CONFIG_ROOT", "HF_MODULES_CACHE"})
-_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,127}")
-
-
-def engine_env_allowed(name: str) -> bool:
-    return (bool(_ENV_NAME.fullmatch(name)) and name not in ENGINE_ENV_REFUSED
-            and (name in ENGINE_ENV_NAMES or name.startswith(ENGINE_ENV_PREFIXES)))
 
 
 class ModelConfig(_Strict):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -88,18 +88,31 @@ class ProxyMetrics:
         self.stream_failures = CachedCounter("kvroute:stream_failures", "Streams a worker broke after the first byte",
                                        ["model", "worker"], registry=r)
         self.migrations = CachedCounter("kvroute:migrations", "Streams handed to another worker after their worker failed "
-                                  "mid-stream (continued), ended with an error event (failed), and non-streamed "
-                                  "requests started again elsewhere after their worker broke (restarted)",
+                                  "mid-stream (continued), ended with an error event (failed), non-streamed "
+                                  "requests started again elsewhere after their worker broke (restarted), and "
+                                  "streams longer than proxy.limits.max_migration_text_bytes (text_limit: not movable)",
                                   ["model", "outcome"], registry=r)
         self.redis_events_dropped = CachedCounter(
             "kvroute:redis_dropped", "Events and worker entries read from Redis that were malformed or not allowed "
             "(dropped, never applied), by reason", ["reason"], registry=r)
+        # The data plane's self-protection (proxy/dataplane/gate.py, exchange.py, migration.py)
+        self.bad_responses = CachedCounter("kvroute:bad_upstream_responses", "Worker answers HTTP does not allow "
+                                           "(unreadable, oversized or invalid head), never relayed", ["worker"],
+                                           registry=r)
+        self.connections_shed = CachedCounter("kvroute:client_connections_shed", "Client connections refused "
+                                              "(total_cap, per_client_cap) or closed idle early (idle_under_pressure)",
+                                              ["reason"], registry=r)
+        self.client_connections = Gauge("kvroute:client_connections", "Open client connections", registry=r)
+        self.accept_pauses = Counter("kvroute:accept_pauses", "Times accepting connections paused: file descriptors "
+                                     "near the process limit", registry=r)
+        self.accepting = Gauge("kvroute:accepting", "1 while new client connections are accepted, 0 while paused",
+                               registry=r)
         r.register(_WorkerGauges(registry))
         # Worker ids churn (a new generation per restart): a removed worker's label sets go with it, or
         # /metrics would grow for as long as the proxy runs.
         self._per_worker: tuple[tuple[CachedCounter, tuple[str, ...]], ...] = (
             (self.requests, ("model", "worker", "status")), (self.decisions, ("policy", "worker", "reason")),
-            (self.stream_failures, ("model", "worker")))
+            (self.stream_failures, ("model", "worker")), (self.bad_responses, ("worker",)))
         registry.add_listener(self._on_registry_change)
 
 

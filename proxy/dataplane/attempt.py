@@ -11,8 +11,9 @@ import asyncio
 from collections.abc import Awaitable
 from functools import partial
 
+from proxy.dataplane import http
 from proxy.dataplane.exchange import Exchange
-from proxy.dataplane.outcome import STREAM, Relayed, Retryable
+from proxy.dataplane.outcome import BAD_RESPONSE, STREAM, Relayed, Retryable
 from proxy.dataplane.pool import UpstreamPool
 from proxy.dataplane.relay import Client
 from proxy.dataplane.stall import StallWatch
@@ -60,8 +61,8 @@ class AttemptRunner:
             mode, extra = STREAM, b""
         else:
             mode = trip.mode
-            extra = b"x-kvroute-worker: %s\r\nx-request-id: %s\r\n%s" % (worker.worker_id.encode(), trip.rid.encode(),
-                                                                           trip.explained)
+            extra = b"x-kvroute-worker: %s\r\nx-request-id: %s\r\n%s" % (http.safe_value(worker.worker_id),
+                                                                           trip.rid.encode(), trip.explained)
         routing = self.routing
         pulse = self.stalls.pulse(worker)
         exchange = Exchange(client, mode, extra, self.live.proxy.timeouts, tracker=trip.tracker, resumed=resumed,
@@ -83,4 +84,6 @@ class AttemptRunner:
             routing.end(ticket, outcome.first_byte_at if isinstance(outcome, Relayed) else None)
             trip.watch.attempt_ended(outcome)
             self.stalls.forget_idle(pulse)
+        if isinstance(outcome, Retryable) and outcome.reason == BAD_RESPONSE:
+            self.metrics.bad_responses.labels(worker.worker_id).inc()
         return outcome

@@ -20,15 +20,15 @@ from httptools import HttpParserCallbackError, HttpParserError, HttpParserUpgrad
 from proxy.config import ProxyLimits
 from proxy.dataplane import http
 from proxy.dataplane.budget import BodyBudget
-from proxy.dataplane.incoming import IncomingRequest, Refused
+from proxy.dataplane.gate import KEEPALIVE_S, ConnectionGate, client_key
+from proxy.dataplane.heads import REQUEST_LINE_SLACK, HeadBound, feed_bounded
+from proxy.dataplane.incoming import MAX_URL_BYTES, IncomingRequest, Refused
 from proxy.dataplane.relay import ClientListener
 from proxy.errors import ProxyError
 from proxy.security.clientauth import ClientAuth
 
 log = logging.getLogger("kvroute.dataplane")
 
-# An idle keep-alive connection is closed after this long (nginx's and aiohttp's default is 75 s).
-KEEPALIVE_S = 75.0
 # After refusing a request whose body was not read, its bytes are read and dropped this long.
 LINGER_S = 2.0
 
@@ -44,9 +44,10 @@ class Server(Protocol):
     max_body: int
     client_auth: ClientAuth
     body_budget: BodyBudget
-    connections: set[ClientConnection]
+    gate: ConnectionGate    # who is let in, and how long an idle connection stays
     shutting_down: bool
-    refused: bytes          # the answer to a connection over the cap
+    refused: bytes          # the answers to a connection over the total cap, and over its client's cap
+    refused_client: bytes
     header_timeout: bytes   # the answers to a head or a body that did not arrive in time
     body_timeout: bytes
 
@@ -60,13 +61,15 @@ class ClientConnection(asyncio.Protocol):
 
     __slots__ = ("plane", "loop", "transport", "parser", "request", "pending", "busy", "task", "exchange",
                  "http11", "keep_alive", "closed", "write_blocked_since", "reading_paused", "broken", "peer",
-                 "timer", "timer_at", "wait_kind", "wait_since", "counted", "current", "reserved", "budget_need")
+                 "timer", "timer_at", "wait_kind", "wait_since", "counted", "current", "reserved", "budget_need",
+                 "head", "client")
 
     def __init__(self, plane: Server) -> None:
         self.plane = plane
         self.loop = plane.loop
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.parser = HttpRequestParser(self)
+        self.head = HeadBound(plane.limits.max_header_bytes + MAX_URL_BYTES + REQUEST_LINE_SLACK)
         self.request: IncomingRequest | None = None   # being parsed
         self.pending: deque[IncomingRequest] = deque()  # parsed, waiting for their turn
         self.busy = False
@@ -79,6 +82,7 @@ class ClientConnection(asyncio.Protocol):
         self.reading_paused = False
         self.broken = False  # the byte stream cannot be parsed further: answer what is queued, then close
         self.peer = b""
+        self.client = b""  # whose connection it is, for the per-client cap (gate.py)
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = 0.0
         self.wait_kind = _NOTHING
@@ -92,26 +96,31 @@ class ClientConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         plane = self.plane
-        if len(plane.connections) >= plane.limits.max_client_connections:
-            self.closed = self.broken = True
-            transport.write(plane.refused)  # type: ignore[attr-defined]
-            transport.close()
-            return
-        plane.connections.add(self)
-        self.counted = True
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peername = transport.get_extra_info("peername")
         if isinstance(peername, tuple) and peername:
             self.peer = str(peername[0]).encode()
+        self.client = client_key(self.peer)
+        sock = transport.get_extra_info("socket")
+        refused = plane.gate.admit(self, self.client, sock.fileno() if sock is not None else -1)
+        if refused is not None:
+            self.closed = self.broken = True
+            answer = plane.refused if refused == "total_cap" else plane.refused_client
+            transport.write(answer)  # type: ignore[attr-defined]
+            transport.close()
+            return
+        self.counted = True
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._wait(_OPENED, self.loop.time())
 
     def data_received(self, data: bytes) -> None:
         if self.broken:
             return
         try:
-            self.parser.feed_data(data)
+            if not feed_bounded(self.parser, self.head, data):
+                self._refuse(ProxyError(431, "The request head (or its trailers) is larger than the proxy accepts.",
+                                        code="request_header_fields_too_large"), True)
+                return
         except HttpParserCallbackError as exc:  # httptools wraps what a callback raised
             refused = exc.__context__
             if isinstance(refused, Refused):
@@ -133,7 +142,7 @@ class ClientConnection(asyncio.Protocol):
         self.closed = True
         if self.counted:
             self.counted = False
-            self.plane.connections.discard(self)
+            self.plane.gate.release(self, self.client)
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -173,6 +182,7 @@ class ClientConnection(asyncio.Protocol):
         self.request.add_header(name, value, self.plane.limits)
 
     def on_headers_complete(self) -> None:
+        self.head.reading = False
         req = self.request
         plane = self.plane
         need = req.head_complete(self.parser, plane.client_auth, plane.max_body)
@@ -217,10 +227,15 @@ class ClientConnection(asyncio.Protocol):
         self._refuse(ProxyError(503, "The proxy holds as many request bodies as it may right now; retry shortly.",
                                 "service_unavailable", code="body_memory_full", headers={"Retry-After": "1"}), True)
 
+    def on_chunk_header(self) -> None:
+        self.head.start()  # the last chunk's trailers may follow: bounded as a head is
+
     def on_body(self, body: bytes) -> None:
+        self.head.reading = False
         self.request.add_body(body, self.plane.max_body)
 
     def on_message_complete(self) -> None:
+        self.head.start()  # the next request's head
         req = self.request
         self.request = None
         self.wait_kind = _NOTHING
@@ -306,10 +321,17 @@ class ClientConnection(asyncio.Protocol):
         kind = self.wait_kind
         limits = self.plane.limits
         if kind == _IDLE:
-            return self.wait_since + KEEPALIVE_S
+            return self.wait_since + self.plane.gate.keepalive_s
         if kind == _BODY:
             return self.wait_since + limits.body_read_timeout_s
+        if kind == _OPENED:  # nothing sent yet: as idle as an idle keep-alive connection
+            return self.wait_since + min(limits.header_read_timeout_s, self.plane.gate.keepalive_s)
         return self.wait_since + limits.header_read_timeout_s
+
+    def keepalive_changed(self) -> None:
+        """The gate's keep-alive changed (the proxy became busy): an idle connection's deadline moves."""
+        if not self.closed and self.wait_kind in (_IDLE, _OPENED):
+            self._wait(self.wait_kind, self.wait_since)
 
     def _wait(self, kind: int, since: float) -> None:
         self.wait_kind = kind
@@ -333,7 +355,9 @@ class ClientConnection(asyncio.Protocol):
             self.timer_at = max(deadline, now + 1.0)
             self.timer = self.loop.call_at(self.timer_at, self._on_timer)
             return
-        if kind == _IDLE:
+        if kind == _IDLE or (kind == _OPENED and now < self.wait_since + self.plane.limits.header_read_timeout_s):
+            if now < self.wait_since + KEEPALIVE_S:  # closed early: the proxy is busy
+                self.plane.gate.shed_idle()
             self.abort() if self.write_blocked_since is not None else self._close()
             return
         self.broken = True

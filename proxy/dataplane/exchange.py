@@ -20,10 +20,11 @@ from httptools import HttpParserError, HttpResponseParser
 
 from proxy.config import Timeouts
 from proxy.dataplane import http
+from proxy.dataplane.heads import MAX_RESPONSE_HEAD_BYTES, HeadBound, feed_bounded
 from proxy.dataplane.migration import StreamTracker
-from proxy.dataplane.outcome import PASS, STREAM, WHOLE, Relayed, Retryable
+from proxy.dataplane.outcome import PASS, STREAM, WHOLE, Relayed, Retryable, bad_response
 from proxy.dataplane.pool import Endpoint, UpstreamConnection, UpstreamPool
-from proxy.dataplane.relay import CHUNKED, CLOSE, Client, Relay
+from proxy.dataplane.relay import Client, Relay
 from proxy.dataplane.stall import Pulse
 
 log = logging.getLogger("kvroute.dataplane")
@@ -46,7 +47,7 @@ class Exchange:
                  "last_activity", "first_byte_deadline", "timer", "got_head", "paused",
                  "head_request", "close_delimited", "total_deadline", "keep_alive", "index",
                  "tracker", "resumed", "pulse", "stall_detail", "streaming", "timer_at", "on_output",
-                 "events_seen", "on_head")
+                 "events_seen", "on_head", "bound")
 
     def __init__(self, client: Client, mode: int, extra_headers: bytes, timeouts: Timeouts,
                  head_request: bool = False, tracker: StreamTracker | None = None, resumed: bool = False,
@@ -76,6 +77,7 @@ class Exchange:
     def _reset(self) -> None:
         self.future: asyncio.Future[Retryable | Relayed] = self.loop.create_future()
         self.parser = None
+        self.bound = HeadBound(MAX_RESPONSE_HEAD_BYTES)
         self.state = _HEAD
         self.status = 0
         self.headers: http.Headers = []
@@ -155,6 +157,8 @@ class Exchange:
             self.interim = True
             self.headers = []
             return
+        if (bad := http.invalid_field(self.headers)) is not None:  # never relayed: the answer is a bad one
+            raise HttpParserError(f"an invalid response header {bad[:64]!r}")
         self.status = status
         self.got_head = True
         if self.on_head is not None:
@@ -180,7 +184,11 @@ class Exchange:
             self.state = _BUFFER
             self._rearm_idle()
 
+    def on_chunk_header(self) -> None:
+        self.bound.start()  # the last chunk's trailers may follow: bounded as a head is
+
     def on_body(self, body: bytes) -> None:
+        self.bound.reading = False
         state = self.state
         if state == _RELAY:
             self.out.append(body)
@@ -198,10 +206,13 @@ class Exchange:
                 self._commit_relay()
                 self.out.extend(self.parts)
                 self.parts = []
+            elif self.size > BUFFER_LIMIT:  # an error answer is read whole: not an endless one
+                raise HttpParserError(f"an error body over {BUFFER_LIMIT} bytes")
 
     def on_message_complete(self) -> None:
         if self.interim:
             self.interim = False
+            self.bound.start()
             return
         self.complete = True
         # llhttp forgets the connection's flags once this callback returns: ask now
@@ -220,9 +231,11 @@ class Exchange:
                 pulse.observe_gap(now - self.last_activity)
         self.last_activity = now
         try:
-            self.parser.feed_data(data)
+            if not feed_bounded(self.parser, self.bound, data):
+                self._fail(False, f"a response head over {MAX_RESPONSE_HEAD_BYTES} bytes", bad=True)
+                return
         except HttpParserError as exc:
-            self._fail(False, f"an unreadable response ({exc})")
+            self._fail(False, f"an unreadable response ({exc.__context__ or exc})", bad=True)
             return
         if self.complete:
             self._finish()
@@ -376,8 +389,9 @@ class Exchange:
         elif state == _RELAY:
             if not self._flush(last=True):  # a tracked stream that ended early, or with an error event
                 tracker = self.tracker
-                self.future.set_result(self._stream_broke(
-                    "broken_stream", tracker.broken or "the worker ended the stream before [DONE]"))
+                self.future.set_result(self.relay.broke(
+                    "broken_stream", tracker.broken or "the worker ended the stream before [DONE]", self.status,
+                    self.first_byte_at))
                 return
             outcome = Relayed(self.status, self.first_byte_at, client_gone=client.closed)
         else:  # _BUFFER or _FIRST: the whole answer at once
@@ -387,8 +401,8 @@ class Exchange:
             outcome = Relayed(self.status, self.first_byte_at, client_gone=client.closed)
         self.future.set_result(outcome)
 
-    def _fail(self, timed_out: bool, detail: str) -> None:
-        """The worker failed (closed, broke the framing, or went silent): retry, or end the client's answer."""
+    def _fail(self, timed_out: bool, detail: str, bad: bool = False) -> None:
+        """The worker failed (closed, sent broken or invalid HTTP, went silent): retry, or end the client's answer."""
         state = self.state
         reused = self.conn is not None and self.conn.reused
         if self.out or self.relay.held_head:
@@ -398,7 +412,9 @@ class Exchange:
         if self.stall_detail is not None and state != _RELAY:
             outcome: Retryable | Relayed = Retryable("stalled", detail)  # nothing reached the client yet
         elif state == _HEAD:
-            if not timed_out and reused and not self.got_head and not self.parser_seen_bytes():
+            if bad:  # nothing of it reached the client: another worker may answer, else the client gets a 502
+                outcome = bad_response(detail)
+            elif not timed_out and reused and not self.got_head and self.last_activity == 0.0:
                 outcome = _STALE
             elif timed_out:
                 outcome = Retryable("first_byte_timeout", detail)
@@ -419,23 +435,8 @@ class Exchange:
                 reason = "broken_stream"  # an error event or an unreadable one, in a well-framed body
             else:
                 reason = "connection_lost"
-            outcome = self._stream_broke(reason, detail)
+            outcome = self.relay.broke(reason, detail, status, self.first_byte_at)
         self.future.set_result(outcome)
-
-    def _stream_broke(self, reason: str, detail: str) -> Relayed:
-        """The worker failed after the first byte: a migratable stream is handed back open, others end."""
-        client = self.client
-        if self.tracker is not None and not client.closed and self.relay.framing in (CHUNKED, CLOSE):
-            log.info("worker stream broke after the first byte (%s: %s)", reason, detail)
-            return Relayed(self.status, self.first_byte_at, worker_failed=True, resumable=True,
-                           break_reason=reason)
-        log.warning("worker stream broke after the first byte (%s); ending the client's stream", reason)
-        self.relay.end_after_failure(reason)
-        return Relayed(self.status, self.first_byte_at, worker_failed=True, client_gone=client.closed,
-                       break_reason=reason)
-
-    def parser_seen_bytes(self) -> bool:
-        return self.last_activity != 0.0
 
     def _stop(self) -> None:
         """No more of this exchange: the timer goes, the upstream connection closes (the worker sees it)."""

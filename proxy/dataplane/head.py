@@ -37,4 +37,4 @@ class UpstreamHead:
         api_key = worker.api_key
         return b"".join((b"POST ", endpoint.base_path, self.url, b" HTTP/1.1\r\nHost: ", endpoint.host_header,
                          b"\r\n", self.common, b"Content-Length: %d\r\n" % len(body), trace_line,
-                         b"Authorization: Bearer %s\r\n" % api_key.encode() if api_key else b"", b"\r\n", body))
+                         b"Authorization: Bearer %s\r\n" % http.safe_value(api_key) if api_key else b"", b"\r\n", body))

@@ -1,9 +1,9 @@
 """A client's request as its bytes are parsed: the head, the body, and a refusal when it may not go on.
 
 Owns what is checked while a request arrives (URL length 414, header count and bytes 431, body size 413,
-client credentials on a completion's head before its body is read) and which paths are completions (any
-method but POST on them: 405); not
-the connection it arrives on (connection.py) nor what answers it (server.py, journey.py).
+a protocol upgrade 501, client credentials on a completion's head before its body is read) and which paths
+are completions (any method but POST on them: 405); not the connection it arrives on (connection.py) nor
+what answers it (server.py, journey.py).
 """
 
 from __future__ import annotations
@@ -95,6 +95,11 @@ class IncomingRequest:
 
     def head_complete(self, parser: HttpRequestParser, client_auth: ClientAuth, max_body: int) -> int | None:
         """The head is in: what it is, and whether it may go on. The body bytes to reserve; None: no body."""
+        if parser.should_upgrade():
+            # httptools hands over the bytes after such a head as another protocol's, body included: refused
+            # here, the request gets one answer and nothing of it is served without its body.
+            raise Refused(ProxyError(501, "This proxy does not switch protocols: send the request without "
+                                          "`Connection: Upgrade`.", code="upgrade_not_supported"), True)
         self.method = parser.get_method()
         self.http11 = parser.get_http_version() == "1.1"
         self.keep_alive = self.http11 and parser.should_keep_alive()

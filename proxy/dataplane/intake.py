@@ -85,4 +85,5 @@ class Intake:
             return None
         options = routed.payload.get("stream_options")
         include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        return migration.StreamTracker(routed.kind == CHAT, include_usage)
+        return migration.StreamTracker(routed.kind == CHAT, include_usage,
+                                       self.live.proxy.limits.max_migration_text_bytes)

@@ -98,5 +98,7 @@ class Journey:
                     trip.watch.migrations = trip.tracker.migrations  # the access log's count
                 trip.watch.worker = worker.worker_id  # the access log's: the worker that ended the stream
                 outcome.first_byte_at = first_byte_at
+            if trip.tracker is not None and trip.tracker.text_limited:  # it could not have moved: counted
+                self.record.migration(trip, "text_limit")
             self.record.served(trip, worker, outcome)
             return

@@ -23,6 +23,10 @@ _STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice"
                "structured_outputs")
 # One SSE event larger than this is not an answer chunk: the stream is treated as broken.
 MAX_EVENT_BYTES = 4 * 1024 * 1024
+# Text kept per stream for a continuation, unless the config says otherwise (proxy.limits.max_migration_text_bytes).
+MAX_TEXT_BYTES = 4 * 1024 * 1024
+# Small text pieces are joined by this many: each str costs ~50 bytes besides its text.
+_JOIN_PIECES = 256
 # Relayed events held unread up to this many bytes per stream (~600 of vLLM's chunks), then read in one go:
 # most answers are never read at all; a long one pays orjson's parse once per chunk, in batches.
 COMPACT_BYTES = 128 * 1024
@@ -119,17 +123,21 @@ class StreamTracker:
     Only whole events are passed on; at most one partial event is held (dropped if its worker dies). A first
     stream's events are read lazily: once its first chunk is read, relayed events are kept as bytes and read
     (in one JSON parse per batch) only when a migration asks what reached the client, or every COMPACT_BYTES
-    to bound what is held. An event that may be an error, or an unusual [DONE], is read at once."""
+    to bound what is held. An event that may be an error, or an unusual [DONE], is read at once. At most
+    `max_text_bytes` of text is kept: past it the stream is relayed on, and cannot move to another worker."""
 
-    __slots__ = ("chat", "include_usage", "partial", "texts", "_tokens", "base", "_prompt_tokens", "id", "created",
-                 "model", "continuation", "_finished", "done", "broken", "_blocker", "framing", "migrations",
-                 "passthrough", "lazy", "unread", "unread_bytes")
+    __slots__ = ("chat", "include_usage", "partial", "texts", "joined", "text_room", "_text_limited", "_tokens",
+                 "base", "_prompt_tokens", "id", "created", "model", "continuation", "_finished", "done", "broken",
+                 "_blocker", "framing", "migrations", "passthrough", "lazy", "unread", "unread_bytes")
 
-    def __init__(self, chat: bool, include_usage: bool) -> None:
+    def __init__(self, chat: bool, include_usage: bool, max_text_bytes: int = MAX_TEXT_BYTES) -> None:
         self.chat = chat
         self.include_usage = include_usage
         self.partial = b""
-        self.texts: list[str] = []
+        self.texts: list[str] = []   # the newest pieces of text that reached the client
+        self.joined: list[str] = []  # the older ones, _JOIN_PIECES to a string
+        self.text_room = max_text_bytes  # UTF-8 bytes of text that may still be kept
+        self._text_limited = False   # the text outgrew it: none is kept, and the stream cannot move
         self._tokens = 0           # completion tokens the client has got (all workers)
         self.base = 0              # of which those sent before the current worker took over
         self._prompt_tokens: int | None = None  # the original request's, once a chunk said it
@@ -152,7 +160,7 @@ class StreamTracker:
     @property
     def text(self) -> str:
         self._catch_up()
-        return "".join(self.texts)
+        return "".join(self.joined) + "".join(self.texts)
 
     @property
     def tokens(self) -> int:
@@ -168,6 +176,13 @@ class StreamTracker:
     def blocker(self) -> str | None:
         self._catch_up()
         return self._blocker
+
+    @property
+    def text_limited(self) -> bool:
+        """The text outgrew its bound (read only when the unread events could hold what is left of it)."""
+        if not self._text_limited and self.unread_bytes > self.text_room:
+            self._catch_up()
+        return self._text_limited
 
     @property
     def prompt_tokens(self) -> int | None:
@@ -341,8 +356,8 @@ class StreamTracker:
             else:
                 content = choice.get("text")
             if not role_only:
-                if isinstance(content, str) and content:
-                    self.texts.append(content)
+                if isinstance(content, str) and content and not self._text_limited:
+                    self._keep(content)
                 if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
                     self._tokens = self.base + usage["completion_tokens"]  # continuous_usage_stats: exact
                 else:
@@ -360,6 +375,20 @@ class StreamTracker:
         if isinstance(usage, dict):
             obj["usage"] = self._whole_usage(usage)
         return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    def _keep(self, content: str) -> None:
+        """Keep text that reached the client, while the bound allows (a continuation resends all of it)."""
+        self.text_room -= len(content) if content.isascii() else len(content.encode())
+        if self.text_room < 0:
+            self._text_limited = True
+            self.texts, self.joined = [], []
+            self._blocker = self._blocker or "an answer longer than proxy.limits.max_migration_text_bytes"
+            return
+        texts = self.texts
+        texts.append(content)
+        if len(texts) >= _JOIN_PIECES:
+            self.joined.append("".join(texts))
+            self.texts = []
 
     def _whole_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         usage = dict(usage)

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import orjson
+
+from proxy.errors import error_body
+
 # How the response is handled: a worker's stream, a worker's whole answer, the internal app's answer.
 STREAM, WHOLE, PASS = 0, 1, 2
 
@@ -16,7 +20,8 @@ STREAM, WHOLE, PASS = 0, 1, 2
 class Retryable:
     """Nothing reached the client yet, so another worker may serve the request."""
 
-    reason: str                 # connect_error | first_byte_timeout | status_5xx | status_429 | broken_body | ...
+    reason: str                 # connect_error | first_byte_timeout | status_5xx | status_429 | broken_body |
+                                # bad_response | ...
     detail: str
     status: int | None = None   # the worker's HTTP status, when it answered
     body: bytes | None = None
@@ -34,3 +39,14 @@ class Relayed:
     client_gone: bool = False
     resumable: bool = False       # worker_failed, and the client's stream is still open for a continuation
     break_reason: str = ""        # worker_failed: connection_lost | idle_timeout | stalled | broken_stream
+
+
+# A worker's answer HTTP does not allow (an unreadable or oversized head, an invalid header field).
+BAD_RESPONSE = "bad_response"
+
+
+def bad_response(detail: str) -> Retryable:
+    """A worker's bad answer, never relayed: another worker may serve the request, else the client gets this 502."""
+    body = orjson.dumps(error_body(f"The worker sent an answer HTTP does not allow ({detail}).", "server_error",
+                                   code="bad_upstream_response"))
+    return Retryable(BAD_RESPONSE, detail, 502, body, "application/json")

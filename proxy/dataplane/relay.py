@@ -10,14 +10,17 @@ above need of a client connection (connection.py's ClientConnection), so none of
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Protocol
 
 import orjson
 
 from proxy.dataplane import http
 from proxy.dataplane.migration import StreamTracker
-from proxy.dataplane.outcome import PASS
+from proxy.dataplane.outcome import PASS, Relayed
 from proxy.errors import error_body
+
+log = logging.getLogger("kvroute.dataplane")
 
 # How the client's body is framed once the head is sent.
 NO_BODY, LENGTH, CHUNKED, CLOSE = range(4)
@@ -148,8 +151,15 @@ class Relay:
             self.client.transport.write(parts[0] if len(parts) == 1 else b"".join(parts))
         return last
 
-    def end_after_failure(self, reason: str) -> None:
-        end_stream(self.client, self.framing, reason, sse=self.sse, clean=self.ends_clean)
+    def broke(self, reason: str, detail: str, status: int, first_byte_at: float | None) -> Relayed:
+        """The worker failed after the first byte: a migratable stream is handed back open, others end."""
+        client = self.client
+        if self.tracker is not None and not client.closed and self.framing in (CHUNKED, CLOSE):
+            log.info("worker stream broke after the first byte (%s: %s)", reason, detail)
+            return Relayed(status, first_byte_at, worker_failed=True, resumable=True, break_reason=reason)
+        log.warning("worker stream broke after the first byte (%s); ending the client's stream", reason)
+        end_stream(client, self.framing, reason, sse=self.sse, clean=self.ends_clean)
+        return Relayed(status, first_byte_at, worker_failed=True, client_gone=client.closed, break_reason=reason)
 
 
 def end_stream(client: Client, framing: int, reason: str | None, sse: bool = True, clean: bool = True,

@@ -1,15 +1,18 @@
 """The proxy's public port: the listener, and which part answers each request that arrives on it.
 
-Owns the server's life (listen, refuse new completions while stopping, close), the canned answers its
-connections send, and the hand-off of each request: a /v1 completion to the journey (journey.py), a
-worker's own load report answered here (reports.py), anything else relayed byte for byte to the aiohttp
-control-plane app on an internal socket. One connection's HTTP is connection.py's.
+Owns the server's life (listen, pause and resume accepting when gate.py says, refuse new completions while
+stopping, close), the canned answers its connections send, and the hand-off of each request: a /v1
+completion to the journey (journey.py), a worker's own load report answered here (reports.py), anything
+else relayed byte for byte to the aiohttp control-plane app on an internal socket. One connection's HTTP
+is connection.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 from collections.abc import Coroutine
 from typing import Any
 
@@ -17,6 +20,7 @@ from proxy.dataplane import http
 from proxy.dataplane.budget import BodyBudget
 from proxy.dataplane.connection import ClientConnection
 from proxy.dataplane.exchange import Exchange
+from proxy.dataplane.gate import ConnectionGate
 from proxy.dataplane.identity import client_request_id, new_instance_id
 from proxy.dataplane.incoming import IncomingRequest
 from proxy.dataplane.journey import Journey
@@ -52,14 +56,23 @@ class DataPlane:
         self.internal = Endpoint.unix(internal_socket)
         self.internal_timeouts = proxy_cfg.timeouts.model_copy(update={"idle_s": INTERNAL_IDLE_S, "total_s": None})
         self.hop_secret = hop_secret.encode()
-        self.connections: set[ClientConnection] = set()
+        self.gate = ConnectionGate(self.loop, self.limits, metrics, self)
+        self.connections = self.gate.connections
         self.body_budget = BodyBudget(self.limits.max_buffered_body_bytes, self.limits.buffered_body_wait_s)
-        self.server: asyncio.Server | None = None
+        self.servers: list[asyncio.Server] = []
+        self.listening: list[int] = []  # our own descriptors of the listening sockets: kept while accepting pauses
+        self.resuming: asyncio.Task[None] | None = None
+        self.closing = False
         self.shutting_down = False  # set by begin_shutdown(): new completions get 503 shutting_down
         self.shutting_down_response = http.error_response(shutting_down(), {}, False)
         self.refused = http.error_response(
             ProxyError(503, "The proxy has as many client connections open as it may.", "service_unavailable",
                        code="too_many_connections", headers={"Retry-After": "1"}), {}, False)
+        self.refused_client = http.error_response(
+            ProxyError(429, f"This client address has {self.limits.max_connections_per_client} connections open, as "
+                            "many as the proxy allows one client (proxy.limits.max_connections_per_client).",
+                       "rate_limit_exceeded", code="too_many_connections_from_client", headers={"Retry-After": "1"}),
+            {}, False)
         self.header_timeout = http.error_response(
             ProxyError(408, f"The request headers did not arrive within {self.limits.header_read_timeout_s:g}s.",
                        code="header_timeout"), {}, False)
@@ -69,9 +82,37 @@ class DataPlane:
 
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port; the bound port."""
-        self.server = await self.loop.create_server(lambda: ClientConnection(self), host, port, backlog=1024,
-                                                    reuse_address=True)
-        return self.server.sockets[0].getsockname()[1]
+        server = await self.loop.create_server(lambda: ClientConnection(self), host, port, backlog=1024,
+                                               reuse_address=True)
+        self.servers = [server]
+        self.listening = [os.dup(sock.fileno()) for sock in server.sockets]
+        return server.sockets[0].getsockname()[1]
+
+    def pause_accepting(self) -> None:
+        """Stop accepting: the servers close, but the listening sockets stay open through our own descriptors of
+        them, so the kernel goes on queueing new connections (up to the backlog) instead of refusing them."""
+        for server in self.servers:
+            server.close()
+        self.servers = []
+
+    def resume_accepting(self) -> None:
+        self.resuming = self.loop.create_task(self._accept_again())
+
+    async def _accept_again(self) -> None:
+        for fd in self.listening[len(self.servers):]:
+            if self.closing or self.gate.paused_since is not None:
+                return
+            try:
+                server = await self.loop.create_server(lambda: ClientConnection(self),
+                                                       sock=socket.socket(fileno=os.dup(fd)), backlog=1024)
+            except OSError:  # no descriptor to spare yet, say: try again shortly
+                log.exception("could not accept connections again; retrying in 1s")
+                self.loop.call_later(1.0, self.resume_accepting)
+                return
+            if self.closing or self.gate.paused_since is not None:  # paused again meanwhile
+                server.close()
+                return
+            self.servers.append(server)
 
     def begin_shutdown(self) -> None:
         """From now on new completions are refused (503 shutting_down, connection closed); those in flight
@@ -79,8 +120,11 @@ class DataPlane:
         self.shutting_down = True
 
     async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
+        self.closing = True
+        self.pause_accepting()
+        for fd in self.listening:
+            os.close(fd)
+        self.listening = []
         for conn in list(self.connections):
             conn.abort()
         self.pool.close()

@@ -1,7 +1,8 @@
 """The grammar of identifiers that reach HTTP headers, URL paths, metric labels and log lines.
 
-Owns what a worker id, a model name, a label, a worker URL and a header value may contain, and how
-long each may be; and escaping caller text for a log line. A leaf module (imports nothing of the
+Owns what a worker id, a model name, a label, a worker URL may contain, and how
+long each may be; and escaping caller text for a log line (the bytes of a header the data plane writes
+are proxy/dataplane/http.py's safe_value). A leaf module (imports nothing of the
 proxy), so proxy/protocol.py, which workers import too, validates with it. Not where each check runs.
 """
 
@@ -17,7 +18,6 @@ MAX_LABELS = 32
 MAX_MODELS_PER_WORKER = 64
 MAX_URL_CHARS = 2048
 MAX_TOKEN_CHARS = 1024          # an engine API key the proxy sends upstream in a header
-MAX_HEADER_VALUE_CHARS = 8192
 
 # Letters, digits and a few separators; the first a letter or digit. No "/" (ids are one URL path
 # segment: /workers/{id}/report), no space, nothing a header, a log line or a shell would read specially.
@@ -28,7 +28,6 @@ _LABEL_KEY = re.compile(rf"[A-Za-z_][A-Za-z0-9_.-]{{0,{MAX_LABEL_KEY_CHARS - 1}}
 # Visible ASCII only: no space, no control character (CR, LF, NUL, ESC), nothing outside ASCII.
 _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_HEADER_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # a tab is allowed inside a header value
 _WORKER_ID_CHARS = "letters, digits and . _ : @ ~ + -, starting with a letter or digit"
 _MODEL_CHARS = "letters, digits and . _ : / @ ~ + = -"
 
@@ -91,19 +90,6 @@ def visible_token(value: str, what: str = "a token", limit: int = MAX_TOKEN_CHAR
 def worker_url(value: str) -> str:
     """A worker URL's characters: visible ASCII, at most MAX_URL_CHARS (its shape is checked elsewhere)."""
     return visible_token(value, "the url", MAX_URL_CHARS)
-
-
-def header_value(value: str | bytes) -> bytes:
-    """`value` as the bytes of one HTTP header value; UnsafeIdentifier when it holds CR, LF, NUL or another
-    control character (which would split the response or the header), or is over MAX_HEADER_VALUE_CHARS.
-
-    The data plane calls this for every value it did not make itself (worker ids, request ids a client
-    sent) before it writes them into a response or an upstream request head."""
-    raw = value.encode("utf-8", "surrogateescape") if isinstance(value, str) else value
-    if len(raw) > MAX_HEADER_VALUE_CHARS or _HEADER_CONTROL.search(raw):
-        raise UnsafeIdentifier("a header value may not contain control characters or exceed "
-                               f"{MAX_HEADER_VALUE_CHARS} bytes")
-    return raw
 
 
 def for_log(value: object, limit: int = 200) -> str:

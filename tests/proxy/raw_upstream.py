@@ -3,8 +3,10 @@
 `python -m tests.proxy.raw_upstream PORT`. POSTs answer by the request's x-test-mode header:
 length (JSON echo of what arrived, Content-Length), chunked (SSE, chunked), close (SSE framed by
 the connection's end), close-json, interim (a 103 before the echo), hop (hop-by-hop response
-headers), flood (SSE of x-flood-bytes bytes, written as fast as the reader takes them).
-GET /progress: bytes the flood has written so far, connections that carried a POST. Any other GET: 200 "ok".
+headers), flood (SSE of x-flood-bytes bytes, written as fast as the reader takes them), chat-flood (an endless
+stream of chat chunks, as fast as the reader takes them), huge-header (a response header value of x-head-bytes
+bytes), bad-header (a response header the proxy must not relay: x-bad-header names which).
+GET /progress: bytes the flood has written so far, POSTs, connections that carried a POST. Any other GET: 200 "ok".
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import socket
 import sys
 
-progress = {"flood_bytes": 0, "flood_done": False, "post_connections": 0}
+progress = {"flood_bytes": 0, "flood_done": False, "post_connections": 0, "posts": 0}
 
 
 async def read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
@@ -64,6 +66,7 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
                 writer.write(length_response(text))
                 await writer.drain()
                 continue
+            progress["posts"] += 1
             if not posted:
                 posted = True
                 progress["post_connections"] += 1
@@ -94,6 +97,26 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
                     await asyncio.sleep(0.02)
                 writer.close()
                 return
+            elif mode == "chat-flood":
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+                event = b"data: " + json.dumps({
+                    "id": "chatcmpl-flood", "object": "chat.completion.chunk", "created": 1, "model": "m1",
+                    "choices": [{"index": 0, "delta": {"content": "token " * 682}, "finish_reason": None}]}).encode()
+                frame = b"%x\r\n%s\n\n\r\n" % (len(event) + 2, event)
+                while True:  # until the proxy lets go of the connection
+                    writer.write(frame * 16)
+                    await writer.drain()
+            elif mode == "huge-header":
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nx-big: ")
+                piece = b"v" * (1 << 20)
+                for _ in range(int(headers["x-head-bytes"]) >> 20):
+                    writer.write(piece)
+                    await writer.drain()
+                writer.write(b"\r\nContent-Length: 2\r\n\r\n{}")
+            elif mode == "bad-header":
+                bad = {"control": b"x-evil: a\x01b\r\n", "long": b"x-long: " + b"v" * 9000 + b"\r\n",
+                       "name": b"x evil: 1\r\n"}[headers["x-bad-header"]]
+                writer.write(length_response(b"{}", bad + b"x-injected: yes\r\n"))
             elif mode == "flood":
                 total = int(headers["x-flood-bytes"])
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")

@@ -118,12 +118,7 @@ async def test_lmdeploy_node_status_with_crlf_is_refused_before_any_probe(proxy)
     assert proxy.server.app[REGISTRY_KEY].workers() == []
 
 
-def test_the_helper_the_data_plane_calls_refuses_header_splitting():
-    assert ids.header_value("sim-0") == b"sim-0"
-    assert ids.header_value("a\tb") == b"a\tb"
-    for bad in ("w\r\nSet-Cookie: x", "w\nx", "w\rx", "w\x00", "w\x7f", "x" * (ids.MAX_HEADER_VALUE_CHARS + 1)):
-        with pytest.raises(ids.UnsafeIdentifier):
-            ids.header_value(bad)
+def test_caller_text_in_a_log_line_cannot_forge_lines_or_grow_them():
     assert ids.for_log("GET /\r\n[fake] line\x1b[2J") == "GET /\\x0d\\x0a[fake] line\\x1b[2J"
     assert ids.for_log("x" * 500, 10) == "x" * 10 + "..."
 

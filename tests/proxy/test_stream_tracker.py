@@ -86,3 +86,23 @@ def test_an_unreadable_event_relayed_unread_makes_the_stream_unmovable():
     assert tracker.feed(stream[len(ROLE):]) == stream[len(ROLE):]  # the client has it already
     assert tracker.blocker is not None and tracker.broken is None
     assert tracker.feed(b"raw bytes") == b"raw bytes"  # from here on passed through as they come
+
+
+def test_text_past_its_bound_is_dropped_the_stream_relayed_on_and_marked_unmovable():
+    tracker = migration.StreamTracker(chat=True, include_usage=False, max_text_bytes=1000)
+    words = [f" w{i:03d}" for i in range(300)]  # 1500 bytes of text; 600 small pieces joined on the way
+    pieces = [ROLE] + [_token(w) for w in words]
+    assert _relay(tracker, pieces[:150]) == b"".join(pieces[:150])
+    assert tracker.text == "".join(words[:149]) and not tracker.text_limited  # the joined pieces read alike
+    assert _relay(tracker, pieces[150:]) == b"".join(pieces[150:])  # still relayed, byte for byte
+    assert tracker.text_limited and tracker.text == ""
+    assert tracker.blocker == "an answer longer than proxy.limits.max_migration_text_bytes"
+    assert tracker.tokens == 300  # still counted: a stream that ends whole is closed as it should be
+
+
+def test_the_text_bound_counts_utf8_bytes():
+    tracker = migration.StreamTracker(chat=True, include_usage=False, max_text_bytes=10)
+    tracker.feed(ROLE + _token("\u00e9" * 5))  # 10 bytes: kept
+    assert tracker.text == "\u00e9" * 5 and not tracker.text_limited
+    tracker.feed(_token("a"))
+    assert tracker.text_limited
