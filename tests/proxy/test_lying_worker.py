@@ -126,7 +126,7 @@ def test_a_slow_worker_reporting_it_is_empty_with_1e12_tokens_no_longer_takes_mo
         trust = next(w for w in fleet.workers() if w["worker_id"] == "liar")["report_trust"]
         print(f"liar share {share:.2f} (all: {served.count('liar') / len(served):.2f}), report_trust {trust}")
         assert share < 0.45, f"the lying worker took {share:.0%} of the traffic"
-        assert trust < 0.25
+        assert trust <= 0.25  # at least one full distrust step (x0.25) taken, not recovered
         honest = {w["worker_id"]: w["report_trust"] for w in fleet.workers() if w["worker_id"] != "liar"}
         assert honest == {"sim-0": 1.0, "sim-1": 1.0}
     finally:
