@@ -102,6 +102,12 @@ class LoadReport(BaseModel):
     # The engine's token budget per scheduler step (vLLM --max-num-batched-tokens, LMDeploy
     # --max-prefill-token-num) when the worker knows it; admission scales its prefill threshold by it.
     max_num_batched_tokens: int | None = Field(None, ge=1)
+    # The engine's cumulative work counters (vLLM's vllm:prompt_tokens_total, vllm:generation_tokens_total and
+    # vllm:num_preemptions_total; None: the engine has none): counters that move show an engine at work however
+    # quiet its streams are (proxy/dataplane/stall.py).
+    prompt_tokens_total: float | None = Field(None, ge=0)
+    generation_tokens_total: float | None = Field(None, ge=0)
+    preemptions_total: float | None = Field(None, ge=0)
     seq: int = Field(..., ge=0, description="monotonic per worker; older reports are ignored")
     boot_id: str | None = Field(None, max_length=64, description="the registration's boot_id; seq counts within it")
     sent_at: float = Field(default_factory=time.time, description="unix seconds at the worker")
