@@ -33,8 +33,10 @@ class BreakerState(StrEnum):
 class CircuitBreaker:
     """Closed -> open after FAILURES_TO_OPEN consecutive failures; open -> half-open when the cooldown ends (or
     the worker shows it is alive again: half_open()); half-open -> closed on a success, open again on a failure,
-    with a doubled cooldown. Failures here are what the forwarder saw (connect errors, 5xx, broken streams),
-    not client errors.
+    with a doubled cooldown. While open, failures of requests sent before it opened change nothing (one outage,
+    one opening). Failures here are those the engine caused (proxy/dataplane/record.py: refused or reset
+    connections, broken streams, 500s another worker did not repeat, deadlines passed while its engine stood
+    still), never slowness or client errors.
     """
 
     FAILURES_TO_OPEN = 3
@@ -69,7 +71,9 @@ class CircuitBreaker:
             self.failures += 1
             if self.failures < self.FAILURES_TO_OPEN:
                 return False
-        # the last closed failure, or any failure while open or half-open: (re)open, for longer each time
+        elif self._state is BreakerState.OPEN and now < self.open_until:
+            return False  # a request sent before it opened: the same outage
+        # the last closed failure, or a failed trial once the cooldown is over: (re)open, for longer each time
         self._state = BreakerState.OPEN
         self.open_until = now + self.cooldown_s
         self.cooldown_s = min(self.cooldown_s * 2, self.MAX_COOLDOWN_S)
@@ -149,6 +153,7 @@ class Worker:
             "projected_kv_usage": round(load.projected_kv_usage(now), 4), "queue_depth": load.queue_depth(now),
             "prefill_backlog_tokens": load.prefill_backlog, "step_tokens": load.step_tokens,
             "reading_source": load.reading_source, "reading_age_s": age,
+            "progress_age_s": None if load.progress_at is None else round(now - load.progress_at, 3),
             "last_report": self.last_report.model_dump(mode="json") if self.last_report else None,
             "breaker_open": self.breaker.is_open(now), "stalled": self.stalled_at is not None,
             "last_error": self.last_error,
@@ -281,7 +286,9 @@ class Registry:
         if report.max_num_batched_tokens:
             worker.load.step_tokens = report.max_num_batched_tokens
         worker.load.record_reading(EngineReading(report.kv_cache_usage, report.num_running, report.num_waiting,
-                                                 report.kv_capacity_tokens or None, report.prefix_cache_hit_rate),
+                                                 report.kv_capacity_tokens or None, report.prefix_cache_hit_rate,
+                                                 report.prompt_tokens_total, report.generation_tokens_total,
+                                                 report.preemptions_total),
                                    self.clock(), "report")
         self._state_may_change(worker, before)
         self.notify_changed()
@@ -297,6 +304,18 @@ class Registry:
             worker.stalled_at = None  # its engine answers again: the fresh report of a worker that sends none
         self._state_may_change(worker, before)
         self.notify_changed()
+
+    def record_probe_reading(self, worker: Worker, reading: EngineReading) -> None:
+        """A reading from a one-off probe of `worker`'s engine (proxy/engine_probe.py): a non-reporting worker
+        takes it as a scrape; a reporting one keeps its report's reading and notes only whether its engine moved,
+        which takes it back at once if it was marked stalled."""
+        if not worker.reports:
+            self.record_scrape(worker, reading)
+            return
+        if worker.load.note_progress(reading, self.clock()) and worker.stalled_at is not None:
+            worker.stalled_at = None
+            self._version += 1
+            self.notify_changed()
 
     def record_probe(self, worker: Worker, ok: bool, error: str | None = None) -> None:
         before = worker.state(self.clock())
