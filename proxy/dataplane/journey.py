@@ -43,7 +43,7 @@ class Journey:
         self.observer = observer or Observer.from_config(live.proxy)
         self.intake = Intake(live, routing, client_auth, metrics, instance_id)
         self.attempts = AttemptRunner(live, routing, pool, StallWatch(registry, lambda: live.proxy.timeouts), metrics)
-        self.record = Recorder(registry, metrics)
+        self.record = Recorder(registry, metrics, lambda: live.proxy.timeouts)
         self.resumer = Resumer(live, self.attempts, self.record)
 
     async def serve(self, client: Client, req: IncomingRequest) -> None:
