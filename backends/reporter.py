@@ -38,6 +38,10 @@ class Load:
     decode_step_s: float | None = None
     # the engine's token budget per scheduler step (vLLM --max-num-batched-tokens), when the adapter knows it
     max_num_batched_tokens: int | None = None
+    # the engine's cumulative work counters (protocol.LoadReport's), when it exposes them
+    prompt_tokens_total: float | None = None
+    generation_tokens_total: float | None = None
+    preemptions_total: float | None = None
 
 
 LoadSource = Callable[[], Awaitable[Load]]
@@ -175,6 +179,8 @@ class ProxyReporter:
             prefix_cache_hit_rate=min(max(load.prefix_cache_hit_rate, 0.0), 1.0),
             prefill_tokens_per_s=load.prefill_tokens_per_s or None, decode_step_s=load.decode_step_s or None,
             max_num_batched_tokens=load.max_num_batched_tokens or None,
+            prompt_tokens_total=load.prompt_tokens_total, generation_tokens_total=load.generation_tokens_total,
+            preemptions_total=load.preemptions_total,
             seq=self._seq, sent_at=time.time(), boot_id=self.registration.boot_id, kv_events=batch,
         )
         resync = batch is not None  # until the proxy's answer shows it took the batch

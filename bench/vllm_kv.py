@@ -6,7 +6,8 @@ a few long shared system prompts, each request one of them plus a short question
 at high concurrency; the prompts are salted per cell, so every cell starts cold on every engine. Measured
 per cell: failures and refusals, makespan, TTFT p50/p99 (to the first generated token), the engines' own
 prefix-cache hit rate and preemptions (from their /metrics), and for kvroute the workers it declared
-stalled and the circuits it opened (from its log). Cells are interleaved route by route within a repeat.
+stalled, those that looked stalled but were kept (the last of their model) and the circuits it opened (from
+its log). Cells are interleaved route by route within a repeat.
 Run: `python -m bench.vllm_kv` (`--help` for the knobs); results go to bench/results/<date>-<name>.{md,json}.
 """
 
@@ -33,6 +34,7 @@ from bench.traces import BlockVocabulary
 MODEL = "qwen3-vl-tiny"
 REPO = Path(__file__).resolve().parents[1]
 STALL_LINE = re.compile(r"worker \S+ .*moving its requests")
+KEPT_LINE = re.compile(r"worker \S+ looks stalled")  # the last worker of its model: its requests waited
 BREAKER_LINE = re.compile(r"circuit opened for ")
 
 
@@ -125,7 +127,8 @@ def run_cell(route: str, fleet: VllmFleet, args: argparse.Namespace, vocab: Bloc
                prefix_hit=sum(hits) / sum(queries) if sum(queries) else None,
                prefix_hit_by_worker=[h / q if q else None for h, q in zip(hits, queries, strict=True)],
                preemptions=sum(_delta(after, before, "vllm:num_preemptions_total")),
-               stalls_declared=len(STALL_LINE.findall(log)), circuits_opened=len(BREAKER_LINE.findall(log)),
+               stalls_declared=len(STALL_LINE.findall(log)), stalls_kept=len(KEPT_LINE.findall(log)),
+               circuits_opened=len(BREAKER_LINE.findall(log)),
                errors_seen=sorted({r.error or str(r.status) for r in result.results if not r.ok})[:5])
     return row
 
@@ -148,7 +151,7 @@ def render(data: dict[str, Any]) -> str:
            f"(Zipf {a['zipf']}), a {a['question_tokens']}-token question, {a['max_tokens']} output tokens; prompts "
            f"salted per cell. Mean (min-max) over {a['repeats']} repeats; times in ms.", ""]
     headers = ["route", "failed", "refused", "makespan (s)", "TTFT p50", "TTFT p99", "engines' prefix hit (%)",
-               "preemptions", "stalls declared", "circuits opened"]
+               "preemptions", "stalls declared", "looked stalled, kept", "circuits opened"]
     rows = []
     for route in a["routes"]:
         rs = [r for r in data["rows"] if r["route"] == route]
@@ -156,7 +159,7 @@ def render(data: dict[str, Any]) -> str:
                      _mean_spread(rs, "makespan_s", digits=1), _mean_spread(rs, "ttft_p50", 1000),
                      _mean_spread(rs, "ttft_p99", 1000), _mean_spread(rs, "prefix_hit", 100, 1),
                      _mean_spread(rs, "preemptions", digits=1), _mean_spread(rs, "stalls_declared", digits=1),
-                     _mean_spread(rs, "circuits_opened", digits=1)])
+                     _mean_spread(rs, "stalls_kept", digits=1), _mean_spread(rs, "circuits_opened", digits=1)])
     out.append(md_table(headers, rows))
     out += ["", "Per cell:", ""]
     out.append(md_table(["repeat", "route", "ok", "failed", "makespan (s)", "TTFT p99", "hit (%)", "stalls"],

@@ -22,6 +22,7 @@ from proxy import gctuning
 from proxy.api import control, openapi, ops, tokenizers
 from proxy.api import openai as openai_api
 from proxy.config import FleetConfig
+from proxy.engine_probe import EngineProbe
 from proxy.errors import error_response, shutting_down
 from proxy.live import LiveConfig
 from proxy.liveconfig import ConfigChange, merge
@@ -212,7 +213,8 @@ async def serve(app: web.Application, host: str, port: int) -> None:
         path = os.path.join(sockdir, "control.sock")
         await web.UnixSite(runner, path).start()
         plane = DataPlane(app[LIVE_KEY], app[ROUTING_KEY], app[REGISTRY_KEY], app[METRICS_KEY],
-                          app[CLIENT_AUTH_KEY], path, hop_secret)
+                          app[CLIENT_AUTH_KEY], path, hop_secret,
+                          probe=EngineProbe(app[REGISTRY_KEY], app[UPSTREAM_KEY]))
         lifecycle.on_shutdown.append(plane.begin_shutdown)
         bound = await plane.start(host, port)
         print(f"kvroute proxy listening on http://{host}:{bound}", flush=True)

@@ -44,8 +44,10 @@ class Timeouts(_Strict):
     total_s: float | None = Field(3600.0, gt=0, description="non-streamed request sent -> whole answer received; "
                                                              "null: no limit")
     stall_min_s: float = Field(2.0, gt=0, description=(
-        "a worker holding requests that sends nothing for max(this, 20 x its recent inter-chunk gap), at most "
-        "idle_s, is stalled: no new work, its requests move to other workers (streams migrate)"))
+        "the least silence (no byte on its connections, its engine's progress counters still) of a worker holding "
+        "requests before the proxy probes it, more for an engine whose measured steps are slow, at most idle_s; "
+        "one that does not answer is stalled: no new work, its requests move to other workers (streams migrate), "
+        "unless it is the last worker of its model"))
 
 
 class AdmissionQueue(_Strict):

@@ -1,7 +1,7 @@
 """Each worker's load as routing sees it: the newest reading, corrected by what was dispatched since.
 
-Owns the arithmetic (projected KV usage, queue depth) and parsing engines' `/metrics` text;
-it does no I/O (proxy/monitor.py scrapes) and knows nothing about worker states.
+Owns the arithmetic (projected KV usage, queue depth); it does no I/O (proxy/monitor.py scrapes and
+proxy/engine_metrics.py reads what it scrapes) and knows nothing about worker states.
 
     projected_kv_usage = reading.kv_usage + pending_tokens / capacity_tokens
     queue_depth        = reading.num_waiting + pending_requests
@@ -17,6 +17,10 @@ config.yaml's `proxy.routing.admission` (routing_config.AdmissionConfig): each l
 Watchers (proxy/routing/candidates.py keeps its load order with them) are called after every event
 that changes these numbers; the only change time makes on its own is forgetting pending dispatches
 `dispatch_forget_after_s` old, which happens when a view is asked for or forget_before() is called.
+
+Progress: each reading's progress mark (the engine's work counters and KV usage) is compared with the last
+one; `progress_at` is when it last moved, what the stall rule (proxy/dataplane/stall.py) and the circuit
+breaker's blame (proxy/dataplane/record.py) ask.
 """
 
 from __future__ import annotations
@@ -25,8 +29,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from proxy import promtext
-from proxy.protocol import MAX_KV_CAPACITY_TOKENS, MAX_REQUESTS
 from proxy.routing_config import AdmissionConfig
 
 # The engine step budget `confirm_above_prefill_tokens` is stated at: vLLM's default token budget per step for an
@@ -60,6 +62,15 @@ class EngineReading:
     num_waiting: int
     capacity_tokens: int | None = None
     prefix_cache_hit_rate: float = 0.0
+    # the engine's cumulative work counters (vLLM's names; None: the engine has none)
+    prompt_tokens_total: float | None = None
+    generation_tokens_total: float | None = None
+    preemptions_total: float | None = None
+
+    def progress_mark(self) -> tuple[float | None, ...]:
+        """What changes only when the engine works: its work counters and its KV usage (a prefill chunk takes
+        blocks before any counter moves). Queue lengths are left out: an arrival changes them with no work done."""
+        return (self.prompt_tokens_total, self.generation_tokens_total, self.preemptions_total, self.kv_usage)
 
 
 class WorkerLoad:
@@ -69,7 +80,8 @@ class WorkerLoad:
                  "_pending_count", "_pending_prefill", "in_flight", "in_flight_tokens", "dispatched_total",
                  "finished_since_reading", "version", "_snapshot", "_snapshot_version", "watchers",
                  "prefill_backlog", "_pending_unconfirmed", "step_tokens", "rules", "forget_after_s", "_visible_after_s",
-                 "_confirms", "_confirms_by_head", "_confirm_above_kv", "_confirm_above_prefill", "outputting")
+                 "_confirms", "_confirms_by_head", "_confirm_above_kv", "_confirm_above_prefill", "outputting",
+                 "progress_at", "_progress_mark")
 
     def __init__(self, capacity_tokens: int | None = None, rules: AdmissionConfig | None = None) -> None:
         self._capacity = capacity_tokens or DEFAULT_CAPACITY_TOKENS
@@ -100,6 +112,9 @@ class WorkerLoad:
         self.step_tokens: int | None = None
         # called as watcher.load_changed(self) after each event that changes the views below
         self.watchers: tuple[LoadWatcher, ...] = ()
+        # when a reading last showed the engine's progress mark moved (EngineReading.progress_mark); None: never
+        self.progress_at: float | None = None
+        self._progress_mark: tuple[float | None, ...] | None = None
 
     def set_rules(self, rules: AdmissionConfig) -> None:
         """New admission rules (a config edit): the views change at once, and the watchers hear of it."""
@@ -143,6 +158,7 @@ class WorkerLoad:
 
     # --- events -------------------------------------------------------------------------
     def record_reading(self, reading: EngineReading, now: float, source: str) -> None:
+        self.note_progress(reading, now)
         self.version += 1
         self.reading = reading
         self.reading_at = now
@@ -153,6 +169,19 @@ class WorkerLoad:
         self._forget_before(now - self._visible_after_s, notify=False)
         if self.watchers:
             self._changed()
+
+    def note_progress(self, reading: EngineReading, now: float) -> bool:
+        """Compare `reading`'s progress mark with the last one seen (a report's or a probe's); True when it moved."""
+        mark = reading.progress_mark()
+        moved = self._progress_mark is not None and mark != self._progress_mark
+        self._progress_mark = mark
+        if moved:
+            self.progress_at = now
+        return moved
+
+    def progressed_since(self, since: float) -> bool:
+        """The engine's progress mark moved after `since` (same clock as the readings')."""
+        return self.progress_at is not None and self.progress_at > since
 
     def start_request(self, kv_tokens: int, now: float, prefill_tokens: int = 0, streamed: bool = True) -> Dispatch:
         """A request was sent to this worker; hand the result to finish_request exactly once.
@@ -382,37 +411,3 @@ class LoadSnapshot:
         self.backlog = load.backlog_now()
         self.queued = load.backlog_now(unconfirmed=False)
         self.projected_kv_usage = reading.kv_usage + load._pending_tokens / capacity
-
-
-# --- /metrics scraping (vLLM and LMDeploy names; see shared/notes/engines.md) ---------------
-
-_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "lmdeploy:gpu_cache_usage_perc")
-_RUNNING = ("vllm:num_requests_running", "lmdeploy:num_requests_running")
-_WAITING = ("vllm:num_requests_waiting", "lmdeploy:num_requests_waiting")
-_HIT_RATE = "lmdeploy:prefix_cache_hit_rate"
-_CACHE_INFO = "vllm:cache_config_info"
-_WANTED = (*_USAGE, *_RUNNING, *_WAITING, _HIT_RATE, _CACHE_INFO)
-
-
-def parse_engine_metrics(text: str) -> EngineReading | None:
-    """Read KV usage, running/waiting counts and KV size from Prometheus text; None if absent.
-
-    Several label sets (data-parallel ranks) combine as proxy/promtext.py rules: usage by mean,
-    counts and capacity by sum. Non-finite samples (NaN, +Inf) are left out.
-    """
-    metrics = promtext.parse(text, names=_WANTED)
-    usage = promtext.kv_usage(metrics, _USAGE)
-    if usage is None:
-        return None
-    # what a report may say (proxy/protocol.py's bounds): an engine's /metrics is as untrusted as a report
-    running = _count(sum(metrics.total(name) or 0 for name in _RUNNING))
-    waiting = _count(sum(metrics.total(name) or 0 for name in _WAITING))
-    hit_rate = min(max(metrics.mean(_HIT_RATE) or 0.0, 0.0), 1.0)
-    capacity = promtext.kv_capacity_tokens(metrics, _CACHE_INFO)
-    if capacity is not None and not 0 < capacity <= MAX_KV_CAPACITY_TOKENS:
-        capacity = None
-    return EngineReading(usage, running, waiting, capacity, hit_rate)
-
-
-def _count(value: float) -> int:
-    return int(min(max(value, 0), MAX_REQUESTS))

@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from proxy.loadview import parse_engine_metrics
+from proxy.engine_metrics import parse_engine_metrics
 from proxy.protocol import MAX_STEP_TOKENS, WorkerRegistration
 from proxy.registry import Registry, Worker, WorkerState
 from proxy.security.networks import canonical_url

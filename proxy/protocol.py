@@ -49,6 +49,7 @@ MAX_PREFILL_TOKENS_PER_S = 1e9
 MAX_DECODE_STEP_S = 3600.0
 MAX_UNIX_TIME = 2**40                   # sent_at, in seconds (year 36812)
 MAX_GPUS = 64
+MAX_WORK_COUNTER = 1e18                 # an engine's cumulative prompt / generated tokens, preemptions
 
 WorkerId = Annotated[str, AfterValidator(ids.worker_id)]
 ModelName = Annotated[str, AfterValidator(ids.model_name)]
@@ -129,6 +130,12 @@ class LoadReport(BaseModel):
     # The engine's token budget per scheduler step (vLLM --max-num-batched-tokens, LMDeploy
     # --max-prefill-token-num) when the worker knows it; admission scales its prefill threshold by it.
     max_num_batched_tokens: int | None = Field(None, ge=1, le=MAX_STEP_TOKENS)
+    # The engine's cumulative work counters (vLLM's vllm:prompt_tokens_total, vllm:generation_tokens_total and
+    # vllm:num_preemptions_total; None: the engine has none): counters that move show an engine at work however
+    # quiet its streams are (proxy/dataplane/stall.py).
+    prompt_tokens_total: float | None = Field(None, ge=0, le=MAX_WORK_COUNTER)
+    generation_tokens_total: float | None = Field(None, ge=0, le=MAX_WORK_COUNTER)
+    preemptions_total: float | None = Field(None, ge=0, le=MAX_WORK_COUNTER)
     seq: int = Field(..., ge=0, le=INT64_MAX, description="monotonic per worker; older reports are ignored")
     boot_id: BootId | None = Field(None, description="the registration's boot_id; seq counts within it")
     # the engine's prefix-cache changes since the last report (workers whose engine publishes KV events)

@@ -1,4 +1,4 @@
-"""The worker registry: who serves what, each worker's state, and its circuit breaker.
+"""The worker registry: who serves what, and each worker's state (its circuit breaker: proxy/breaker.py).
 
 Owns workers and their transitions (ready, stale, unhealthy, draining, and recovery); does
 no I/O. Handlers and policies ask it questions through methods; proxy/monitor.py probes.
@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Any
 from urllib.parse import urlsplit
 
+from proxy.breaker import BreakerState, CircuitBreaker  # noqa: F401  (BreakerState: re-exported)
 from proxy.loadview import DEFAULT_CAPACITY_TOKENS, EngineReading, WorkerLoad
 from proxy.protocol import STALE_AFTER_S, LoadReport, WorkerRegistration
 from proxy.security.identifiers import MAX_WORKER_ID_CHARS
@@ -25,67 +26,6 @@ class WorkerState(StrEnum):
     STALE = "stale"            # reports stopped: routed to only when no ready worker exists
     UNHEALTHY = "unhealthy"    # failed probe, circuit open, or the worker says it failed
     DRAINING = "draining"      # finishes what it has, takes nothing new
-
-
-class BreakerState(StrEnum):
-    CLOSED = "closed"          # requests flow; consecutive failures are counted
-    OPEN = "open"              # no new requests until the cooldown ends
-    HALF_OPEN = "half_open"    # cooldown over: requests are trials; a failure reopens at once, a success closes
-
-
-class CircuitBreaker:
-    """Closed -> open after FAILURES_TO_OPEN consecutive failures; open -> half-open when the cooldown ends (or
-    the worker shows it is alive again: half_open()); half-open -> closed on a success, open again on a failure,
-    with a doubled cooldown. Failures here are what the forwarder saw (connect errors, 5xx, broken streams),
-    not client errors.
-    """
-
-    FAILURES_TO_OPEN = 3
-    BASE_COOLDOWN_S = 2.0
-    MAX_COOLDOWN_S = 30.0
-
-    __slots__ = ("_state", "failures", "open_until", "cooldown_s")
-
-    def __init__(self) -> None:
-        self._state = BreakerState.CLOSED
-        self.failures = 0         # consecutive, while closed
-        self.open_until = 0.0     # when open: the cooldown's end
-        self.cooldown_s = self.BASE_COOLDOWN_S
-
-    def state(self, now: float) -> BreakerState:
-        if self._state is BreakerState.OPEN and now >= self.open_until:
-            self._state = BreakerState.HALF_OPEN
-        return self._state
-
-    def is_open(self, now: float) -> bool:
-        return self._state is BreakerState.OPEN and now < self.open_until  # state(now) is OPEN
-
-    def record_success(self) -> None:
-        self._state = BreakerState.CLOSED
-        self.failures = 0
-        self.open_until = 0.0
-        self.cooldown_s = self.BASE_COOLDOWN_S
-
-    def record_failure(self, now: float) -> bool:
-        """Count a failure; True when this one opened the circuit."""
-        if self._state is BreakerState.CLOSED:
-            self.failures += 1
-            if self.failures < self.FAILURES_TO_OPEN:
-                return False
-        # the last closed failure, or any failure while open or half-open: (re)open, for longer each time
-        self._state = BreakerState.OPEN
-        self.open_until = now + self.cooldown_s
-        self.cooldown_s = min(self.cooldown_s * 2, self.MAX_COOLDOWN_S)
-        return True
-
-    def half_open(self) -> None:
-        """End the cooldown now: the next request is a trial, and a failed one reopens the circuit."""
-        if self._state is BreakerState.OPEN:
-            self._state = BreakerState.HALF_OPEN
-        self.open_until = 0.0
-
-    def reset(self) -> None:
-        self.record_success()
 
 
 class Worker:
@@ -160,6 +100,7 @@ class Worker:
             "projected_kv_usage": round(load.projected_kv_usage(now), 4), "queue_depth": load.queue_depth(now),
             "prefill_backlog_tokens": load.prefill_backlog, "step_tokens": load.step_tokens,
             "reading_source": load.reading_source, "reading_age_s": age,
+            "progress_age_s": None if load.progress_at is None else round(now - load.progress_at, 3),
             "last_report": self.last_report.model_dump(mode="json", exclude={"kv_events"}) if self.last_report else None,
             "breaker_open": self.breaker.is_open(now), "stalled": self.stalled_at is not None,
             "report_trust": round(self.trust.factor, 3),
@@ -297,7 +238,8 @@ class Registry:
         if report.max_num_batched_tokens:
             worker.load.step_tokens = report.max_num_batched_tokens
         reading = EngineReading(report.kv_cache_usage, report.num_running, report.num_waiting,
-                                report.kv_capacity_tokens or None, report.prefix_cache_hit_rate)
+                                report.kv_capacity_tokens or None, report.prefix_cache_hit_rate,
+                                report.prompt_tokens_total, report.generation_tokens_total, report.preemptions_total)
         worker.load.record_reading(worker.trust.weigh(reading, worker.load, now, lambda: self.peer_capacity(worker)),
                                    now, "report")
         self._state_may_change(worker, before)
@@ -324,6 +266,18 @@ class Registry:
         peers = [w.load.capacity_tokens for w in self._workers.values()
                  if w is not worker and w.trust.factor >= 1.0 and any(m in models for m in w.models)]
         return max(peers, default=DEFAULT_CAPACITY_TOKENS)
+
+    def record_probe_reading(self, worker: Worker, reading: EngineReading) -> None:
+        """A reading from a one-off probe of `worker`'s engine (proxy/engine_probe.py): a non-reporting worker
+        takes it as a scrape; a reporting one keeps its report's reading and notes only whether its engine moved,
+        which takes it back at once if it was marked stalled."""
+        if not worker.reports:
+            self.record_scrape(worker, reading)
+            return
+        if worker.load.note_progress(reading, self.clock()) and worker.stalled_at is not None:
+            worker.stalled_at = None
+            self._version += 1
+            self.notify_changed()
 
     def record_probe(self, worker: Worker, ok: bool, error: str | None = None) -> None:
         before = worker.state(self.clock())

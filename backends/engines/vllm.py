@@ -10,7 +10,8 @@ Owns vLLM specifics only; the supervisor (backends/worker.py) runs the process.
   (kv_role resolved for the pool by proxy/pools.py) and --ec-transfer-config (ec_producer on the encode pool,
   ec_consumer elsewhere); a NIXL worker gets its own side-channel port and the host others reach it at.
 - Load: `/metrics/?name[]=...` on loopback, only the samples it parses (KV usage, running, waiting, the
-  prefix-cache counters, the cache config, and the recent prefill rate and decode step from vllm_speed.py);
+  prefix-cache counters, the cache config, the work counters (prompt and generated tokens, preemptions) the
+  proxy reads liveness from, and the recent prefill rate and decode step from vllm_speed.py);
   data-parallel ranks follow proxy/promtext.py's rule. Which samples and why: docs/design/engines.md.
 """
 
@@ -40,7 +41,12 @@ WAITING = "vllm:num_requests_waiting"
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 CACHE_CONFIG = "vllm:cache_config_info"
-METRIC_NAMES = (KV_USAGE, RUNNING, WAITING, PREFIX_QUERIES, PREFIX_HITS, CACHE_CONFIG, *SPEED_METRIC_NAMES)
+# the engine's work counters, for the proxy's liveness rule (proxy/dataplane/stall.py)
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+PREEMPTIONS = "vllm:num_preemptions_total"
+METRIC_NAMES = tuple(dict.fromkeys((KV_USAGE, RUNNING, WAITING, PREFIX_QUERIES, PREFIX_HITS, CACHE_CONFIG,
+                                    PROMPT_TOKENS, GENERATION_TOKENS, PREEMPTIONS, *SPEED_METRIC_NAMES)))
 
 
 def kv_transfer_config(kv: Mapping[str, Any], device: str) -> dict[str, Any]:
@@ -181,6 +187,9 @@ class VllmAdapter:
             prefill_tokens_per_s=self._speed.prefill_tokens_per_s,
             decode_step_s=self._speed.decode_step_s,
             max_num_batched_tokens=self._step_tokens,
+            prompt_tokens_total=metrics.total(PROMPT_TOKENS),
+            generation_tokens_total=metrics.total(GENERATION_TOKENS),
+            preemptions_total=metrics.total(PREEMPTIONS),
         )
 
     async def read_load(self, session: aiohttp.ClientSession, base_url: str) -> Load:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -59,6 +59,10 @@ class _EngineStateCollector(Collector):
         yield self._counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                             sched.prefix_hit_tokens)
         yield self._counter("vllm:request_success", "Count of successfully processed requests.", sched.num_finished)
+        # as vLLM counts them: a prompt when its prefill completes, generated tokens step by step
+        yield self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.", sched.num_prompt_tokens)
+        yield self._counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                            sched.num_generated_tokens)
         # not vLLM's: how much simulated time the host lost (a benchmark with a large ratio of lag to
         # busy time measured the host, not the model)
         yield self._counter("kvroute:sim_busy_seconds", "Simulated seconds the engine spent in steps.",
@@ -126,10 +130,6 @@ class SimMetrics:
                              labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name, "0")
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
                              labels, buckets=ITL_BUCKETS, registry=self.registry).labels(model_name, "0")
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels,
-                                     registry=self.registry).labels(model_name, "0")
-        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
-                                         registry=self.registry).labels(model_name, "0")
         engine.finish_listeners.append(self.observe_finished)
 
     def add_disagg(self, holder: KvHolder | None, transfer: TransferCounters, encoder: EncoderCounters) -> None:
@@ -145,8 +145,6 @@ class SimMetrics:
         if request.num_output_tokens > 1:
             itl = (request.finish_time - request.first_token_time) / (request.num_output_tokens - 1)
             self.itl.observe(itl)
-        self.prompt_tokens.inc(request.num_prompt_tokens)
-        self.generation_tokens.inc(request.num_output_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

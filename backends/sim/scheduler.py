@@ -126,6 +126,7 @@ class Scheduler:
         self.recent_prefix: deque[tuple[int, int]] = deque(maxlen=256)  # (queries, hits) per admission
         self.num_finished = 0
         self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0  # prompts whose prefill completed, counted then (vLLM's vllm:prompt_tokens)
 
     # ---- queue management ----------------------------------------------------------------------
     def add(self, request: SimRequest) -> None:
@@ -284,6 +285,8 @@ class Scheduler:
             self.kv.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk: no token yet
+            if request.num_output_tokens == 0:
+                self.num_prompt_tokens += request.num_prompt_tokens
             first = request.num_output_tokens == 0 and not request.prompt.continues
             text, token_id = request.filler.next_piece(first=first)
             request.token_ids.append(token_id)

@@ -342,4 +342,6 @@ class SimServer:
                     kv_capacity_tokens=self.engine.kv.num_blocks * self.engine.kv.block_size,
                     prefill_tokens_per_s=prefill_rate * scale if prefill_rate else None,
                     decode_step_s=decode_step / scale if decode_step else None,
-                    max_num_batched_tokens=sched.max_num_batched_tokens)
+                    max_num_batched_tokens=sched.max_num_batched_tokens,
+                    prompt_tokens_total=sched.num_prompt_tokens, generation_tokens_total=sched.num_generated_tokens,
+                    preemptions_total=sched.num_preemptions)

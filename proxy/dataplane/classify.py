@@ -2,12 +2,14 @@
 
 Owns the mapping from an exchange's Retryable to retry_policy's Attempt and the request's budget: `retries`
 attempts that ran something, plus up to FREE_MOVES moves past workers that ran nothing (unreachable or
-stalled). The verdict itself is retry_policy.classify's, which stays pure.
+stalled), and the workers whose error answer waits on the request's outcome to count against them. The
+verdict itself is retry_policy.classify's, which stays pure; what counts against a worker is record.py's.
 """
 
 from __future__ import annotations
 
 from proxy.dataplane.outcome import Retryable
+from proxy.registry import Worker
 from proxy.retry_policy import Action, Attempt, Failure, Verdict, classify
 
 # Failures that ran nothing for the client (unreachable or stalled worker): moving on costs no retry.
@@ -15,6 +17,11 @@ FREE_REASONS = frozenset({"connect_error", "stalled"})
 FREE_MOVES = 8
 # Failures of a non-streamed request while its worker was generating: it starts again on another worker.
 RESTARTED = frozenset({"broken_body", "stalled", "connection_lost", "broken_before_first_chunk"})
+# Deadlines that passed: slowness, unless the engine stood still meanwhile (record.py asks its progress).
+TIMEOUTS = frozenset({"first_byte_timeout", "idle_timeout", "total_timeout"})
+# An engine's own failure answers (not 503, a worker draining or full; not 504, slowness): a request that makes
+# every engine fail fails the next worker too, so one counts against its worker only once another served it.
+ENGINE_ERRORS = frozenset({500, 502})
 
 
 def attempt_of(failure: Retryable) -> Attempt:
@@ -31,13 +38,15 @@ def attempt_of(failure: Retryable) -> Attempt:
 class RetryBudget:
     """The attempts one request has made, and the statuses its workers answered."""
 
-    __slots__ = ("retries", "attempt", "free", "statuses")
+    __slots__ = ("retries", "attempt", "free", "statuses", "suspects")
 
     def __init__(self, retries: int) -> None:
         self.retries = retries
         self.attempt = 0        # attempts that counted against `retries`
         self.free = 0           # moves past a worker that ran nothing
         self.statuses: list[int] = []
+        # (worker, detail) of each ENGINE_ERRORS answer retried elsewhere: blamed once another worker serves it
+        self.suspects: list[tuple[Worker, str]] = []
 
     def verdict(self, failure: Retryable) -> Verdict:
         """What to do after `failure`; a retry it allows is spent."""

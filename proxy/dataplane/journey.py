@@ -20,7 +20,7 @@ from proxy.dataplane.pool import UpstreamPool
 from proxy.dataplane.record import Recorder
 from proxy.dataplane.relay import Client
 from proxy.dataplane.resume import Resumer
-from proxy.dataplane.stall import StallWatch
+from proxy.dataplane.stall import EngineProbe, StallWatch
 from proxy.dataplane.trip import Trip
 from proxy.errors import ProxyError
 from proxy.live import LiveConfig
@@ -38,12 +38,15 @@ class Journey:
     """Serves /v1/chat/completions and /v1/completions for the data plane."""
 
     def __init__(self, live: LiveConfig, routing: RoutingService, client_auth: ClientAuth, registry: Registry,
-                 metrics: ProxyMetrics, pool: UpstreamPool, instance_id: str, observer: Observer | None = None) -> None:
+                 metrics: ProxyMetrics, pool: UpstreamPool, instance_id: str, observer: Observer | None = None, *,
+                 probe: EngineProbe) -> None:
         # traces, access log, explained decisions (proxy/observability/watch.py)
         self.observer = observer or Observer.from_config(live.proxy)
         self.intake = Intake(live, routing, client_auth, metrics, instance_id)
-        self.attempts = AttemptRunner(live, routing, pool, StallWatch(registry, lambda: live.proxy.timeouts), metrics)
-        self.record = Recorder(registry, metrics)
+        stalls = StallWatch(registry, lambda: live.proxy.timeouts,
+                            lambda worker_id: live.policies.deps.estimator.for_worker(worker_id), probe)
+        self.attempts = AttemptRunner(live, routing, pool, stalls, metrics)
+        self.record = Recorder(registry, metrics, lambda: live.proxy.timeouts)
         self.resumer = Resumer(live, self.attempts, self.record)
 
     async def serve(self, client: Client, req: IncomingRequest) -> None:

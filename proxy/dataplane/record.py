@@ -5,15 +5,23 @@ Owns the per-request metrics (requests, latency, TTFT, rejections, retries, migr
 feeds a worker's circuit breaker, the access-log status of an answer the proxy wrote, and those answers: a
 refusal, an attempt's failure that goes back to the client, and "every worker failed" (the last worker's own
 answer, or 503).
+
+The breaker hears of failures the engine caused: refused or reset connections, a broken stream, and a 500/502
+once another worker served the same request (the request was not the cause). Slowness is not one: a deadline
+that passed (first_byte_s, idle_s, total_s) counts only when the engine's progress counters stood still for the
+whole wait (docs/design/liveness.md). A stall has its own mark in the registry (stall.py), lifted by the first
+sign of life, so it does not count again here.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
+from proxy.config import Timeouts
 from proxy.dataplane import http
-from proxy.dataplane.classify import RESTARTED, attempt_of
+from proxy.dataplane.classify import ENGINE_ERRORS, RESTARTED, TIMEOUTS, attempt_of
 from proxy.dataplane.outcome import WHOLE, Relayed, Retryable
 from proxy.dataplane.relay import Client
 from proxy.dataplane.trip import Trip
@@ -28,9 +36,35 @@ log = logging.getLogger("kvroute.dispatch")
 class Recorder:
     """Records outcomes in metrics and the registry, and writes the proxy's own answers."""
 
-    def __init__(self, registry: Registry, metrics: ProxyMetrics) -> None:
+    def __init__(self, registry: Registry, metrics: ProxyMetrics, timeouts: Callable[[], Timeouts]) -> None:
         self.registry = registry
         self.metrics = metrics
+        self.timeouts = timeouts
+
+    # --- the circuit breaker ----------------------------------------------------------------------------
+    def engine_failed(self, worker: Worker, reason: str) -> bool:
+        """Whether a failure for `reason` is the engine's: a timeout only when its progress counters stood still
+        for the whole wait that timed out (a busy engine is slow, not failed)."""
+        if reason not in TIMEOUTS:
+            return True
+        timeouts = self.timeouts()
+        if reason == "idle_timeout":
+            waited = timeouts.idle_s
+        elif reason == "total_timeout" and timeouts.total_s is not None:
+            waited = timeouts.total_s
+        else:
+            waited = timeouts.first_byte_s
+        if worker.load.progressed_since(self.registry.clock() - waited):
+            log.info("worker %s was slow (%s), not failed: its engine made progress meanwhile", worker.worker_id,
+                     reason)
+            return False
+        return True
+
+    def _blame(self, worker: Worker, reason: str, detail: str) -> None:
+        if reason == "stalled":  # the registry's stall mark keeps it out until it shows life: no second penalty
+            return
+        if self.engine_failed(worker, reason) and self.registry.record_failure(worker, detail):
+            log.warning("circuit opened for %s after: %s", worker.worker_id, detail)
 
     # --- a request the client got an answer to (or left) --------------------------------------------
     def served(self, trip: Trip, worker: Worker, outcome: Relayed) -> None:
@@ -38,7 +72,7 @@ class Recorder:
         metrics = self.metrics
         served = trip.served
         if outcome.worker_failed:
-            self.registry.record_failure(worker, "stream broke after the first byte")
+            self._blame(worker, outcome.break_reason, f"stream broke after the first byte ({outcome.break_reason})")
             metrics.stream_failures.labels(served, worker.worker_id).inc()
             status = "stream_error"
         elif outcome.client_gone:
@@ -46,6 +80,9 @@ class Recorder:
         else:
             self.registry.record_success(worker)
             status = str(outcome.status)
+            if outcome.status < 400:
+                for suspect, detail in trip.budget.suspects:  # their error was theirs: this worker served it
+                    self._blame(suspect, "status", detail)
         metrics.requests.labels(served, worker.worker_id, status).inc()
         started = trip.req.started
         metrics.latency.labels(served).observe(time.monotonic() - started)
@@ -56,8 +93,10 @@ class Recorder:
     def failed_attempt(self, trip: Trip, worker: Worker, failure: Retryable, verdict: Verdict) -> None:
         """`worker` failed the trip before the first byte; `verdict` says what happens next."""
         trip.last_failure, trip.last_worker = failure, worker
-        if verdict.counts_against_worker and self.registry.record_failure(worker, failure.detail):
-            log.warning("circuit opened for %s after: %s", worker.worker_id, failure.detail)
+        if verdict.counts_against_worker:
+            self._blame(worker, failure.reason, failure.detail)
+        elif failure.status in ENGINE_ERRORS and verdict.action is Action.RETRY:
+            trip.budget.suspects.append((worker, failure.detail))
         log.info("request %s: worker %s failed before the first byte (%s): %s", trip.rid, worker.worker_id,
                  failure.detail, verdict.action.value)
         if verdict.action is Action.RETRY:
@@ -67,13 +106,13 @@ class Recorder:
 
     def stream_broke(self, trip: Trip, worker: Worker, reason: str) -> None:
         """`worker` broke the trip's stream, which then went on elsewhere (or ended whole)."""
-        self.registry.record_failure(worker, f"stream broke after the first byte ({reason})")
+        self._blame(worker, reason, f"stream broke after the first byte ({reason})")
         self.metrics.stream_failures.labels(trip.served, worker.worker_id).inc()
 
     def continuation_failed(self, trip: Trip, worker: Worker, failure: Retryable) -> None:
         """A continuation on `worker` failed before relaying anything: the stream is where it was."""
         if attempt_of(failure).failure is not None:
-            self.registry.record_failure(worker, failure.detail)
+            self._blame(worker, failure.reason, failure.detail)
         log.info("request %s: continuation on %s failed: %s", trip.rid, worker.worker_id, failure.detail)
 
     def migration(self, trip: Trip, how: str) -> None:

@@ -27,6 +27,7 @@ from proxy.dataplane.journey import Journey
 from proxy.dataplane.outcome import PASS, Retryable
 from proxy.dataplane.pool import Endpoint, UpstreamPool
 from proxy.dataplane.reports import answer_report, report_worker_id
+from proxy.dataplane.stall import EngineProbe
 from proxy.errors import ProxyError, shutting_down
 from proxy.live import LiveConfig
 from proxy.metrics import ProxyMetrics
@@ -44,7 +45,7 @@ class DataPlane:
     """The public server: client connections, the upstream pool, the journey and the internal hop."""
 
     def __init__(self, live: LiveConfig, routing: RoutingService, registry: Registry, metrics: ProxyMetrics,
-                 client_auth: ClientAuth, internal_socket: str, hop_secret: str) -> None:
+                 client_auth: ClientAuth, internal_socket: str, hop_secret: str, *, probe: EngineProbe) -> None:
         proxy_cfg = live.proxy  # limits and timeouts of the internal hop: read once (not live keys)
         self.loop = asyncio.get_running_loop()
         self.limits = proxy_cfg.limits
@@ -52,7 +53,8 @@ class DataPlane:
         self.client_auth = client_auth
         self.registry = registry
         self.pool = UpstreamPool(self.loop)
-        self.journey = Journey(live, routing, client_auth, registry, metrics, self.pool, new_instance_id())
+        self.journey = Journey(live, routing, client_auth, registry, metrics, self.pool, new_instance_id(),
+                               probe=probe)  # the stall rule's question to a quiet worker (proxy/engine_probe.py)
         self.internal = Endpoint.unix(internal_socket)
         self.internal_timeouts = proxy_cfg.timeouts.model_copy(update={"idle_s": INTERNAL_IDLE_S, "total_s": None})
         self.hop_secret = hop_secret.encode()

@@ -27,6 +27,7 @@ can still do: docs/security.md.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from proxy.loadview import EngineReading, WorkerLoad
 
@@ -94,4 +95,4 @@ def _blend(reading: EngineReading, known_capacity: int, peer_capacity: int, t: f
     used = reading.kv_usage * reported_capacity
     usage = (t * min(used, capacity) + (1 - t) * min(max(used, held_tokens), capacity)) / capacity
     waiting = t * reading.num_waiting + (1 - t) * max(reading.num_waiting, held - reading.num_running)
-    return EngineReading(usage, reading.num_running, round(waiting), capacity, reading.prefix_cache_hit_rate)
+    return replace(reading, kv_usage=usage, num_waiting=round(waiting), capacity_tokens=capacity)

@@ -8,8 +8,8 @@ import httpx
 import orjson
 import pytest
 
+from proxy.engine_metrics import parse_engine_metrics
 from proxy.errors import ProxyError
-from proxy.loadview import parse_engine_metrics
 from proxy.metrics import MAX_MODEL_LABELS
 from proxy.request import CHAT, parse_request
 from tests.support.procs import free_port, wait_http_ok, wait_until

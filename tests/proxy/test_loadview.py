@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.loadview import EngineReading, WorkerLoad, parse_engine_metrics
+from proxy.engine_metrics import parse_engine_metrics
+from proxy.loadview import EngineReading, WorkerLoad
 from proxy.routing_config import AdmissionConfig
 
 DISPATCH_VISIBLE_AFTER_S = AdmissionConfig().dispatch_visible_after_s

@@ -209,7 +209,7 @@ def test_blank_padding_trailing_commas_and_empty_braces_are_accepted():
 
 def test_the_proxys_scrape_and_the_workers_report_read_a_data_parallel_engine_alike():
     from backends.engines.vllm import VllmAdapter
-    from proxy.loadview import parse_engine_metrics
+    from proxy.engine_metrics import parse_engine_metrics
 
     scraped = parse_engine_metrics(VLLM_DP_TEXT)
     reported = VllmAdapter().load_from_metrics(VLLM_DP_TEXT)

@@ -16,8 +16,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.app import REGISTRY_KEY, build_app
 from proxy.config import parse_config
+from proxy.engine_metrics import parse_engine_metrics
 from proxy.errors import ProxyError
-from proxy.loadview import parse_engine_metrics
 from proxy.monitor import PROBE_MODELS_DEADLINE_S
 from proxy.protocol import INT64_MAX, MAX_KV_CAPACITY_TOKENS, MAX_REQUESTS, MAX_STEP_TOKENS
 from proxy.security import identifiers as ids
