@@ -115,6 +115,8 @@ class Worker:
         self.secret_hash: str | None = None  # sha256 of the secret its registrant got (proxy/security)
         self.api_key: str | None = None  # sent upstream as Authorization: Bearer, when the engine wants one
         self.kv_resync = False  # its engine's KV-event view needs a snapshot (proxy/routing/engine_blocks.py sets it)
+        # predicted vs actual cached tokens of its answers (proxy/routing/cache_feedback.py's CacheAccuracy)
+        self.cache_prediction: Any = None
 
     def replaceable(self, now: float) -> bool:
         """Another registrant may take this worker's id or URL: it has shown no sign of life (report or
@@ -154,6 +156,7 @@ class Worker:
             "breaker_open": self.breaker.is_open(now), "stalled": self.stalled_at is not None,
             "last_error": self.last_error,
             "registered_at": self.registered_at, "labels": self.labels,
+            "cache_prediction": self.cache_prediction.to_json() if self.cache_prediction is not None else None,
         }
 
 
