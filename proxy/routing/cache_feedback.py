@@ -57,7 +57,7 @@ class Expectation:
 
     worker: Worker
     model: str                  # the served model
-    predicted: int              # the decision's cached prompt tokens
+    predicted: int | None       # the decision's cached prompt tokens (None: it did not look)
     prompt_tokens: int          # the prompt as routing counted it
     estimated: bool             # ... by estimate (then so are the prefix index's tokens)
     counted: int | None         # the proxy's exact count of the prompt, where it was counted
@@ -115,22 +115,23 @@ class CacheFeedback:
         registry.add_listener(self._on_registry_event)
 
     def expect(self, decision: Decision, routed: RoutedRequest, now: float) -> Expectation | None:
-        """What `decision` believed of its worker's cache; None when it believed nothing."""
+        """What `decision` believed of its worker's cache, and the proxy's count of the prompt; None when neither
+        is there to check."""
         predicted = decision.cached_tokens
-        if predicted is None:
+        tokens = routed.tokens
+        counted = tokens.counted if tokens is not None and tokens.ready else None  # never counted for this
+        if predicted is None and counted is None:
             return None
         worker = decision.worker
         wid = worker.worker_id
         cached_prefix = self._cached_prefix()
-        exact = cached_prefix.exact_part(routed, wid)
+        exact = cached_prefix.exact_part(routed, wid) if predicted is not None else None
         block_size = 0
         if exact is not None:
             view = cached_prefix.exact.view(wid)
             block_size = view.scheme.block_size if view is not None and view.scheme is not None else 0
-        tokens = routed.tokens
-        counted = tokens.counted if tokens is not None and tokens.ready else None
         deepest_seen = None
-        if predicted > 0 and (exact is None or predicted > exact) and routed.prefix_tokens:
+        if predicted and (exact is None or predicted > exact) and routed.prefix_tokens:
             # the prefix chain's deepest block within the prediction: its stamp is the oldest of them
             depth = bisect_right(routed.prefix_tokens, predicted)
             if depth:
@@ -141,18 +142,18 @@ class CacheFeedback:
 
     def observe(self, expected: Expectation, routed: RoutedRequest, usage: AnswerUsage, now: float) -> None:
         """The engine answered `usage` to the attempt `expected` was taken for."""
-        actual = usage.cached_tokens
-        if actual is None or actual < 0:
-            return  # the engine does not say (vLLM without --enable-prompt-tokens-details)
-        worker = expected.worker
-        stats = worker.cache_prediction
-        if stats is None:
-            stats = worker.cache_prediction = CacheAccuracy()
-        predicted = _in_engine_tokens(expected, usage)
-        from_events = expected.exact is not None
-        stats.add(predicted, actual, "exact" if from_events else "approximate")
-        if not from_events:
-            self._correct_index(expected, routed, usage, predicted, actual, stats, now)
+        actual = usage.cached_tokens  # None: the engine does not say (vLLM without --enable-prompt-tokens-details)
+        predicted = 0
+        if expected.predicted is not None and actual is not None and actual >= 0:
+            worker = expected.worker
+            stats = worker.cache_prediction
+            if stats is None:
+                stats = worker.cache_prediction = CacheAccuracy()
+            predicted = _in_engine_tokens(expected.predicted, expected, usage)
+            from_events = expected.exact is not None
+            stats.add(predicted, actual, "exact" if from_events else "approximate")
+            if not from_events:
+                self._correct_index(expected, routed, usage, predicted, actual, stats, now)
         if expected.counted is not None and usage.prompt_tokens is not None:
             self._check_tokenizer(expected, usage, predicted, actual)
 
@@ -177,10 +178,10 @@ class CacheFeedback:
                 index.insert(routed.prefix_hashes[:depth], wid, now, routed.prefix_tokens)
                 stats.reused += 1
 
-    def _check_tokenizer(self, expected: Expectation, usage: AnswerUsage, predicted: int, actual: int) -> None:
+    def _check_tokenizer(self, expected: Expectation, usage: AnswerUsage, predicted: int, actual: int | None) -> None:
         model = expected.model
         miscounted = expected.counted != usage.prompt_tokens
-        missed = (expected.exact == 0 and expected.block_size > 0
+        missed = (expected.exact == 0 and expected.block_size > 0 and actual is not None
                   and actual - predicted >= MISSED_BLOCKS * expected.block_size)
         sha = self.tokenizers.tokenizer_of(model)
         if sha is None:
@@ -207,10 +208,9 @@ class CacheFeedback:
             self._cached_prefix().approximate.forget_worker(worker.worker_id)
 
 
-def _in_engine_tokens(expected: Expectation, usage: AnswerUsage) -> int:
+def _in_engine_tokens(predicted: int, expected: Expectation, usage: AnswerUsage) -> int:
     """The prediction in the engine's tokens: an exact view's already are; the prefix index's estimates are scaled
     by the engine's count of the whole prompt. Never the whole prompt (an engine computes its last token)."""
-    predicted = expected.predicted
     prompt = usage.prompt_tokens
     if expected.exact is None or predicted > expected.exact:
         if expected.estimated and prompt and expected.prompt_tokens:
