@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench.fleet import KVROUTE, free_port, resolve_default, scrape_metrics, start_kvroute
 from bench.loadgen import LoadGenerator, RequestSpec, chat_body, summarize
 from bench.peers import RunningRouter, spawn, start_peer, stop_process_group, wait_ready
@@ -118,6 +120,7 @@ def run_cell(route: str, fleet: VllmFleet, args: argparse.Namespace, vocab: Bloc
         result = asyncio.run(gen.closed_loop(workload(args, vocab, salt), args.concurrency))
         after = fleet.counters()
         log = router.log_path.read_text(errors="replace")[log_start:] if router.log_path.exists() else ""
+        predictions = _cache_predictions(router.url) if route.startswith("kvroute") else None
     finally:
         router.stop()
     row = summarize(result)
@@ -129,8 +132,28 @@ def run_cell(route: str, fleet: VllmFleet, args: argparse.Namespace, vocab: Bloc
                preemptions=sum(_delta(after, before, "vllm:num_preemptions_total")),
                stalls_declared=len(STALL_LINE.findall(log)), stalls_kept=len(KEPT_LINE.findall(log)),
                circuits_opened=len(BREAKER_LINE.findall(log)),
-               errors_seen=sorted({r.error or str(r.status) for r in result.results if not r.ok})[:5])
+               errors_seen=sorted({r.error or str(r.status) for r in result.results if not r.ok})[:5],
+               # where each shared prompt went (kvroute names the worker in x-kvroute-worker; peers do not)
+               workers_by_prompt=_workers_by_prompt(result.results), cache_predictions=predictions)
     return row
+
+
+def _workers_by_prompt(results: list[Any]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for r in results:
+        if r.worker:
+            by_worker = out.setdefault(r.tag, {})
+            by_worker[r.worker] = by_worker.get(r.worker, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def _cache_predictions(url: str) -> dict[str, Any] | None:
+    """kvroute's own view of its accuracy: per worker, the cached tokens it predicted against those reported."""
+    try:
+        workers = httpx.get(url + "/workers", timeout=10).json()["workers"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+    return {w["worker_id"]: w.get("cache_prediction") for w in workers}
 
 
 def _mean_spread(rows: list[dict[str, Any]], key: str, scale: float = 1.0, digits: int = 0) -> str:
@@ -166,6 +189,14 @@ def render(data: dict[str, Any]) -> str:
                         [[r["repeat"], r["route"], r["ok"], r["failed"], fmt(r["makespan_s"]), ms(r["ttft_p99"]),
                           fmt(r["prefix_hit"] * 100 if r["prefix_hit"] is not None else None),
                           r["stalls_declared"]] for r in data["rows"]]))
+    predicted = [r for r in data["rows"] if r.get("cache_predictions")]
+    if predicted:
+        out += ["", "kvroute's predictions per cell: cached prompt tokens it predicted for the chosen worker against "
+                "those the engine reported reusing (answers compared; GET /workers `cache_prediction`):", ""]
+        out.append(md_table(["repeat", "route", "worker", "answers", "predicted", "actual", "mean abs error"],
+                            [[r["repeat"], r["route"], wid, c["answers"], c["predicted_tokens"], c["actual_tokens"],
+                              c["mean_abs_error_tokens"]]
+                             for r in predicted for wid, c in sorted(r["cache_predictions"].items()) if c]))
     return "\n".join(out) + "\n"
 
 

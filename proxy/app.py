@@ -28,6 +28,7 @@ from proxy.live import LiveConfig
 from proxy.liveconfig import ConfigChange, merge
 from proxy.metrics import ProxyMetrics
 from proxy.monitor import HealthMonitor
+from proxy.observability.cache_prediction import CachePredictionMetrics
 from proxy.registry import Registry
 from proxy.routing.base import PolicyDeps
 from proxy.routing.policy_set import PolicySet
@@ -109,6 +110,7 @@ def build_app(config: FleetConfig, *, policy: str | None = None) -> web.Applicat
     upstream = Upstream(proxy_cfg.timeouts)
     metrics = ProxyMetrics(registry)
     metrics.watch_engine_blocks(deps.engine_blocks)
+    metrics.collector_registry.register(CachePredictionMetrics(registry, routing.feedback))  # answers vs predictions
     monitor = HealthMonitor(registry, upstream)
     client_auth = ClientAuth.from_config(config)  # raises ValueError for an unreadable key file
 

@@ -59,6 +59,8 @@ class Worker:
         self.secret_hash: str | None = None  # sha256 of the secret its registrant got (proxy/security)
         self.api_key: str | None = None  # sent upstream as Authorization: Bearer, when the engine wants one
         self.kv_resync = False  # its engine's KV-event view needs a snapshot (proxy/routing/engine_blocks.py sets it)
+        # predicted vs actual cached tokens of its answers (proxy/routing/cache_feedback.py's CacheAccuracy)
+        self.cache_prediction: Any = None
 
     def replaceable(self, now: float) -> bool:
         """Another registrant may take this worker's id or URL: it has shown no sign of life (report or
@@ -106,6 +108,7 @@ class Worker:
             "report_trust": round(self.trust.factor, 3),
             "last_error": self.last_error,
             "registered_at": self.registered_at, "labels": self.labels,
+            "cache_prediction": self.cache_prediction.to_json() if self.cache_prediction is not None else None,
         }
 
 

@@ -116,6 +116,10 @@ class VllmAdapter:
             cmd += ["--disable-access-log-for-endpoints", "/metrics,/load"]  # our 4 Hz reads would drown the log
         if not launch.has_arg("--enable-server-load-tracking"):
             cmd += ["--enable-server-load-tracking"]  # GET /load: in-flight HTTP requests, for drain
+        if not launch.has_arg("--enable-prompt-tokens-details", "--no-enable-prompt-tokens-details"):
+            # each answer's usage says how many prompt tokens came from the prefix cache: the proxy checks what it
+            # believed the engine cached against it (proxy/routing/cache_feedback.py)
+            cmd += ["--enable-prompt-tokens-details"]
         if launch.kv_transfer and launch.role != "encode" and not launch.has_arg("--kv-transfer-config"):
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(launch.kv_transfer, launch.device))]
         if launch.ec_transfer and not launch.has_arg("--ec-transfer-config"):

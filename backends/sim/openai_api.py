@@ -141,7 +141,9 @@ def new_request_id(kind: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
-    details = {"cached_tokens": cached_tokens} if cached_tokens else None
+    """vLLM's usage; a final one says how many prompt tokens came from the prefix cache, as vLLM started with
+    --enable-prompt-tokens-details (as `kvroute worker` starts it) does."""
+    details = {"cached_tokens": cached_tokens} if cached_tokens is not None else None
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
             "completion_tokens": completion_tokens, "prompt_tokens_details": details}
 
@@ -184,9 +186,9 @@ class ResponseBuilder:
             chunk["usage"] = usage(*running_usage)
         return chunk
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
         chunk = self._envelope([])
-        chunk["usage"] = usage(prompt_tokens, completion_tokens)
+        chunk["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return chunk
 
     def full_response(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,

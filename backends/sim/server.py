@@ -67,6 +67,12 @@ def _error(status: int, message: str, err_type: str, param: str | None = None) -
     return _json(error_body(status, message, err_type, param), status)
 
 
+def _cached_tokens(request: SimRequest, params: object) -> int:
+    """The prompt tokens its answer reports cached: a decode worker reports the prefill worker's hit, as vLLM does."""
+    remote = params.get("remote_prefill_cached_tokens") if wants_remote_prefill(params) else None  # type: ignore[union-attr]
+    return remote if isinstance(remote, int) else request.num_cached_tokens
+
+
 class SimServer:
     """One simulated worker: engine + HTTP surface + fault injection + drain state."""
 
@@ -275,11 +281,9 @@ class SimServer:
             if sim_request.failed:  # its KV could not be loaded (vLLM's kv_load_failure_policy "fail")
                 return _error(500, "Internal server error", "InternalServerError")
             held = self.holder.params(sim_request) if self.holder is not None and sim_request.hold_kv else None
-            # a decode worker reports the prefill worker's cache hit, as vLLM does
-            remote_cached = params.get("remote_prefill_cached_tokens") if wants_remote_prefill(params) else None  # type: ignore[union-attr]
-            cached = remote_cached if isinstance(remote_cached, int) else sim_request.num_cached_tokens
             return _json(builder.full_response("".join(pieces), parsed.finish_reason, sim_request.num_prompt_tokens,
-                                               sim_request.num_output_tokens, cached, kv_transfer_params=held))
+                                               sim_request.num_output_tokens, _cached_tokens(sim_request, params),
+                                               kv_transfer_params=held))
         finally:
             # normal end, client disconnect (handler cancelled) or a write error: the engine lets go
             self.engine.abort(sim_request)
@@ -313,7 +317,8 @@ class SimServer:
                 if event.finished:
                     break
             if parsed.include_usage and not sim_request.failed:
-                await response.write(_sse(builder.usage_chunk(prompt_tokens, sim_request.num_output_tokens)))
+                await response.write(_sse(builder.usage_chunk(prompt_tokens, sim_request.num_output_tokens,
+                                                              _cached_tokens(sim_request, parsed.kv_transfer_params))))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except ConnectionResetError:  # the client left mid-stream: the caller aborts the request

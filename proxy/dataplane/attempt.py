@@ -18,6 +18,7 @@ from proxy.dataplane.pool import UpstreamPool
 from proxy.dataplane.relay import Client
 from proxy.dataplane.stall import StallWatch
 from proxy.dataplane.trip import Trip
+from proxy.dataplane.usage import answered_usage
 from proxy.live import LiveConfig
 from proxy.metrics import ProxyMetrics
 from proxy.routing.base import Decision
@@ -81,7 +82,8 @@ class AttemptRunner:
             raise
         finally:
             # Every path (success, worker failure, client disconnect/cancel) lands here exactly once.
-            routing.end(ticket, outcome.first_byte_at if isinstance(outcome, Relayed) else None)
+            routing.end(ticket, outcome.first_byte_at if isinstance(outcome, Relayed) else None,
+                        None if resumed else answered_usage(routed, exchange.relay, outcome))
             trip.watch.attempt_ended(outcome)
             self.stalls.forget_idle(pulse)
         if isinstance(outcome, Retryable) and outcome.reason == BAD_RESPONSE:

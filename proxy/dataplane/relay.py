@@ -61,7 +61,7 @@ class Relay:
     """Writes one exchange's response to the client: `commit` the head, `flush` body bytes as they come."""
 
     __slots__ = ("client", "mode", "extra", "head_request", "tracker", "resumed", "framing", "held_head", "sse",
-                 "ends_clean")
+                 "ends_clean", "tail", "tail_before")
 
     def __init__(self, client: Client, mode: int, extra: bytes, head_request: bool, tracker: StreamTracker | None,
                  resumed: bool) -> None:
@@ -75,6 +75,7 @@ class Relay:
         self.held_head = b""              # written with the first piece of body (one send instead of two)
         self.sse = False
         self.ends_clean = True            # the last bytes written end an SSE event
+        self.tail = self.tail_before = b""  # the last two pieces of body written (usage.py reads the answer's usage)
 
     def head(self, status: int, headers: http.Headers, index: dict[bytes, bytes], framing: int,
              length: int = 0) -> bytes:
@@ -121,6 +122,7 @@ class Relay:
 
     def whole(self, status: int, headers: http.Headers, index: dict[bytes, bytes], body: bytes) -> None:
         """The whole answer at once, with its length."""
+        self.tail = body
         if not self.client.closed:
             self.client.transport.write(self.head(status, headers, index, LENGTH, len(body)) + body)
 
@@ -139,6 +141,7 @@ class Relay:
             elif self.sse:
                 self.ends_clean = data.endswith(b"\n\n")
             if data:
+                self.tail_before, self.tail = self.tail, data
                 if self.framing == CHUNKED:  # http.chunk(data), framed in the one join below
                     parts += (b"%x\r\n" % len(data), data, b"\r\n")
                 else:

@@ -44,7 +44,9 @@ class Decision:
     """The chosen worker and why; `kv_tokens` is the KV the request is expected to add there.
 
     `prefill_tokens`: the prompt tokens the worker is expected to compute (not in its cache), counted in its
-    prefill backlog; 0 from policies that do not estimate what a worker caches. `scores`: each scored
+    prefill backlog; 0 from policies that do not estimate what a worker caches. `cached_tokens`: the prompt tokens
+    the policy believed the worker caches (None: it did not look), which the engine's answer is compared with
+    (cache_feedback.py). `scores`: each scored
     candidate's cost, for debugging and traces (None: the policy does not score). A policy's own predictions
     travel in their own type: `prediction` (kv_cost's; None from every other policy).
     """
@@ -55,6 +57,7 @@ class Decision:
     scores: dict[str, float] | None = None
     prefill_tokens: int = 0
     prediction: KvCostPrediction | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass

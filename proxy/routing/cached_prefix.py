@@ -34,6 +34,8 @@ class CachedPrefix:
         self.exact = exact
         self.recent = PrefixIndex(max_blocks=RECENT_MAX_BLOCKS, ttl_s=recent_s)
         self._memo: tuple[RoutedRequest | None, HashScheme | None, list[int]] = (None, None, [])
+        # the last match's exact part: (request, workers with an exact view asked about, their cached tokens)
+        self._exact_memo: tuple[RoutedRequest | None, set[str], dict[str, int]] = (None, set(), {})
 
     def match(self, request: RoutedRequest, worker_ids: Collection[str] | None, now: float) -> dict[str, int]:
         """For each worker (among `worker_ids`; None: any) with some of the prompt cached, how many tokens."""
@@ -50,6 +52,7 @@ class CachedPrefix:
                 size = scheme.block_size
                 for wid, depth in self.exact.match(self.block_hashes(request, scheme), wanted).items():
                     cached[wid] = depth * size
+            self._exact_memo = (request, exact_ids, dict(cached))
         prefix_hashes = request.prefix_hashes
         if not prefix_hashes:
             return cached
@@ -66,6 +69,20 @@ class CachedPrefix:
                 if wid not in exact_ids:
                     cached[wid] = prefix_tokens[depth - 1]
         return cached
+
+    def exact_part(self, request: RoutedRequest, worker_id: str) -> int | None:
+        """Of the prompt, the tokens `worker_id`'s engine holds as its own KV events say (recent dispatches not
+        counted); None when its view is not exact or the request's token ids are unknown. Answered from the last
+        match() when it was about this request (a decision asks just before), else looked up."""
+        last, asked, cached = self._exact_memo
+        if last is request and worker_id in asked:
+            return cached.get(worker_id, 0)
+        view = self.exact.view(worker_id)
+        if view is None or not view.exact or request.media_spans is None or request.token_ids is None:
+            return None
+        assert view.scheme is not None
+        depth = self.exact.match(self.block_hashes(request, view.scheme), (worker_id,)).get(worker_id, 0)
+        return depth * view.scheme.block_size
 
     def insert(self, request: RoutedRequest, worker_id: str, now: float) -> None:
         """`request` was sent to `worker_id`: both indexes learn it."""

@@ -127,7 +127,8 @@ class KvAwarePolicy(Policy):
                       request.prompt_tokens, self._explain(candidates, scores, cached_of, request, now),
                       best.worker_id, best_cached)
         prefill = max(0, request.prompt_tokens - best_cached)
-        return Decision(best, "lowest_cost", prefill + request.expected_output_tokens, scores, prefill_tokens=prefill)
+        return Decision(best, "lowest_cost", prefill + request.expected_output_tokens, scores, prefill_tokens=prefill,
+                        cached_tokens=best_cached if request.prefix_hashes and len(candidates) > 1 else None)
 
     def select_from(self, candidates: Candidates, request: RoutedRequest, now: float) -> Decision:
         roster = candidates.roster
@@ -186,7 +187,8 @@ class KvAwarePolicy(Policy):
                       request.model, request.prompt_tokens, len(scored), len(candidates),
                       self._explain(scored, scores, cached_of, request, now), best.worker_id, best_cached)
         prefill = max(0, request.prompt_tokens - best_cached)
-        return Decision(best, "lowest_cost", prefill + request.expected_output_tokens, scores, prefill_tokens=prefill)
+        return Decision(best, "lowest_cost", prefill + request.expected_output_tokens, scores, prefill_tokens=prefill,
+                        cached_tokens=best_cached if request.prefix_hashes else None)
 
     def _among_tied(self, roster: Roster, entries: Sequence[Entry], key: tuple[float, int],
                     tied_holders: Sequence[tuple[Worker, int]], cached_of: dict[str, int],

@@ -221,7 +221,8 @@ class KvCostPolicy(Policy):
         prediction = KvCostPrediction(best_pred.queue_s, best_pred.ttft_s,
                                       model.prefill_s(request.prompt_tokens, request.media_tokens),
                                       best_pred.media_uncached)
-        return Decision(best, reason, kv_tokens, scores, prefill_tokens=best_pred.uncached, prediction=prediction)
+        return Decision(best, reason, kv_tokens, scores, prefill_tokens=best_pred.uncached, prediction=prediction,
+                        cached_tokens=best_pred.cached if request.prefix_hashes else None)
 
     def _shortlist(self, candidates: Sequence[Worker], cached_of: dict[str, int],
                    excluded: Collection[str] = ()) -> Sequence[Worker]:

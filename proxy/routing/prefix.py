@@ -27,6 +27,7 @@ class PrefixPolicy(Policy):
         low, high = min(loads), max(loads)
         if high - low > knobs.imbalance_abs_requests and high > knobs.imbalance_ratio * low:
             return Decision(self.least_in_flight(candidates), "imbalanced", request.expected_kv_tokens)
+        cached_of: dict[str, int] | None = None
         if request.prefix_hashes:
             cached_of = self.deps.cached_prefix.match(request, {w.worker_id for w in candidates}, now)
             if cached_of:
@@ -35,13 +36,14 @@ class PrefixPolicy(Policy):
                     holders = [w for w in candidates if cached_of.get(w.worker_id) == cached]
                     worker = self.least_in_flight(holders)
                     kv_tokens = max(0, request.prompt_tokens - cached) + request.expected_output_tokens
-                    return Decision(worker, "prefix_match", kv_tokens)
+                    return Decision(worker, "prefix_match", kv_tokens, cached_tokens=cached)
         fewest = min(w.load.in_flight for w in candidates)
         idle = [w for w in candidates if w.load.in_flight == fewest]
         roomiest = min(w.load.projected_kv_usage(now) for w in idle)
         tied = [w for w in idle if w.load.projected_kv_usage(now) == roomiest]
         worker = tied[0] if len(tied) == 1 else self.deps.rng.choice(tied)
-        return Decision(worker, "least_loaded", request.expected_kv_tokens)
+        return Decision(worker, "least_loaded", request.expected_kv_tokens,
+                        cached_tokens=None if cached_of is None else cached_of.get(worker.worker_id, 0))
 
     def on_dispatch(self, decision: Decision, request: RoutedRequest, now: float) -> None:
         self.deps.cached_prefix.insert(request, decision.worker.worker_id, now)

@@ -4,7 +4,9 @@ Owns prefix-block -> workers bookkeeping with LRU eviction and a freshness limit
 the tokens it is believed to cache (resident) and to have reused (hot); it decides nothing
 (kv_cost, kv_aware and prefix policies read it). Keys are request.py's chained block hashes, so
 a hit on block i means the whole prompt up to block i was seen. Its size and freshness limit are
-config.yaml's `proxy.routing.prefix_index` (routing_config.PrefixIndexConfig).
+config.yaml's `proxy.routing.prefix_index` (routing_config.PrefixIndexConfig). An engine's answer may show it
+evicted what the index believed (cache_feedback.py): `forget_before` then sets that worker's horizon, before
+which nothing it was sent counts as held.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class PrefixIndex:
         self._seen: dict[str, dict[int, float]] = {}  # worker -> block hash -> last routed there at
         self._resident: dict[str, int] = {}
         self._hot: dict[str, int] = {}
+        # worker -> blocks last sent there before this time are taken as evicted (its engine said so: engines
+        # evict the least recently used first). Checked lazily, as the freshness limit is: no scan of the index.
+        self._horizon: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -64,6 +69,11 @@ class PrefixIndex:
         if block is None:
             return []
         seen = self._seen
+        horizon = self._horizon
+        if horizon:  # rare: only workers whose engines said they evicted what the index believed
+            return [w for w in block.holders
+                    if seen[w][block_hash] >= max(oldest, horizon.get(w, oldest))
+                    and (worker_ids is None or w in worker_ids)]
         return [w for w in block.holders
                 if seen[w][block_hash] >= oldest and (worker_ids is None or w in worker_ids)]
 
@@ -170,6 +180,21 @@ class PrefixIndex:
             elif count == 1:
                 block.holders[worker_id] = 2
                 self._hot[worker_id] = self._hot.get(worker_id, 0) + block.tokens
+
+    def seen_at(self, block_hash: int, worker_id: str) -> float | None:
+        """When the block was last sent to `worker_id` (None: never, or forgotten)."""
+        seen = self._seen.get(worker_id)
+        return seen.get(block_hash) if seen is not None else None
+
+    def forget_before(self, worker_id: str, when: float) -> None:
+        """`worker_id`'s engine no longer holds what it was sent before `when`: match() stops naming it for those
+        blocks (a later insert makes a block count again). The horizon only moves forward."""
+        if when > self._horizon.get(worker_id, float("-inf")):
+            self._horizon[worker_id] = when
+
+    def forget_worker(self, worker_id: str) -> None:
+        """The worker is gone: its horizon goes (its blocks leave with the LRU, as they did before)."""
+        self._horizon.pop(worker_id, None)
 
     def resident_tokens(self, worker_id: str) -> int:
         """Prompt tokens this index believes `worker_id` caches (an upper bound: engines evict too)."""

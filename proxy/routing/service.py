@@ -2,7 +2,8 @@
 a request (admission included), and the accounting around each upstream attempt.
 
 Owns nothing but the seam: admission (proxy/routing/admission.py) holds or sends, the policy chooses, the
-registry's load view counts what is in flight. Bytes, retries and answers are proxy/dataplane/'s.
+registry's load view counts what is in flight, cache_feedback.py checks each answer's cached tokens against
+what the decision believed. Bytes, retries and answers are proxy/dataplane/'s.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.errors import model_not_found
+from proxy.errors import ProxyError, model_not_found
 from proxy.live import LiveConfig
 from proxy.loadview import Dispatch
 from proxy.registry import Registry
 from proxy.request import RoutedRequest
 from proxy.routing.admission import AdmissionController
 from proxy.routing.base import Decision, Policy
+from proxy.routing.cache_feedback import AnswerUsage, CacheFeedback, Expectation
 from proxy.tokens.store import TokenizerStore
 
 
@@ -31,6 +33,7 @@ class InFlight:
     routed: RoutedRequest
     dispatch: Dispatch
     sent_at: float  # time.monotonic()
+    expected: Expectation | None = None  # what the decision believed its worker caches of the prompt
 
 
 class RoutingService:
@@ -41,6 +44,8 @@ class RoutingService:
         self.registry = registry
         self.admission = AdmissionController(registry, live.proxy, live.policies.deps.estimator)
         self.tokenizers = TokenizerStore(registry)  # each served model's, as its workers hand them over
+        self.feedback = CacheFeedback(registry, lambda: live.policies.deps.cached_prefix, self.tokenizers,
+                                      self._served_name)
         live.follow(self._follow)
 
     def _follow(self, live: LiveConfig) -> None:
@@ -54,6 +59,12 @@ class RoutingService:
         if configured is not None:
             return configured.name
         raise model_not_found(name)
+
+    def _served_name(self, name: str) -> str:
+        try:
+            return self.resolve_model(name)
+        except ProxyError:  # the model left since: the name as asked
+            return name
 
     def policy_for(self, served: str) -> Policy:
         return self.live.policies.for_model(served)
@@ -69,8 +80,9 @@ class RoutingService:
         now = self.registry.clock()
         dispatch = decision.worker.load.start_request(decision.kv_tokens, now, decision.prefill_tokens,
                                                       streamed=routed.stream)
+        expected = self.feedback.expect(decision, routed, now)  # before on_dispatch inserts the prompt
         policy.on_dispatch(decision, routed, now)
-        ticket = InFlight(decision, policy, routed, dispatch, time.monotonic())
+        ticket = InFlight(decision, policy, routed, dispatch, time.monotonic(), expected)
         self.admission.wake()  # a released waiter is placed: the next head sees this dispatch
         return ticket
 
@@ -88,9 +100,12 @@ class RoutingService:
         ticket.decision.worker.load.upstream_head(ticket.dispatch)
         self.admission.wake()
 
-    def end(self, ticket: InFlight, first_byte_at: float | None) -> None:
-        """One upstream attempt is over, whatever the outcome; call exactly once per begin()."""
+    def end(self, ticket: InFlight, first_byte_at: float | None, usage: AnswerUsage | None = None) -> None:
+        """One upstream attempt is over, whatever the outcome; call exactly once per begin(). `usage`: what the
+        engine's answer said of the prompt, when the proxy read it."""
         ticket.decision.worker.load.finish_request(ticket.dispatch)
+        if usage is not None and ticket.expected is not None:
+            self.feedback.observe(ticket.expected, ticket.routed, usage, self.registry.clock())
         ticket.policy.on_finish(ticket.decision, ticket.routed, ticket.sent_at, first_byte_at, time.monotonic())
         self.registry.notify_changed()
         self.admission.wake()

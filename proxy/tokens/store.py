@@ -10,7 +10,9 @@ id; a bundle's own caps are bundle.py's), loading them off the event loop, and w
   PREPARE_OFF_LOOP_BYTES or more, encoding for PREPARE_OFF_LOOP_CHARS or more characters not in the cache;
 - otherwise on first use (`RoutedRequest.tokens.counted`): a short prompt routes on its estimate, as before.
 
-Any failure to count leaves the request as it was: estimated, never refused on that estimate.
+Any failure to count leaves the request as it was: estimated, never refused on that estimate. So does a
+tokenizer found not to count as the model's engines do (`distrust`, from what their answers said:
+proxy/routing/cache_feedback.py), until a different one is handed over for the model.
 """
 
 from __future__ import annotations
@@ -60,13 +62,37 @@ class TokenizerStore:
         self._registry = registry
         self._limits: dict[str, int | None] = {}  # the smallest max_model_len among a model's workers
         self._warned: set[str] = set()
+        self._distrusted: dict[str, str] = {}  # model -> sha256 of the tokenizer its engines' answers contradicted
         if registry is not None:
             registry.add_listener(self._on_registry_event)
 
     # --- tokenizers -------------------------------------------------------------------------
     def counter(self, model: str) -> PromptCounter | None:
         sha = self._by_model.get(model)
-        return self._counters.get(sha) if sha is not None else None
+        if sha is None or self._distrusted.get(model) == sha:
+            return None
+        return self._counters.get(sha)
+
+    def tokenizer_of(self, model: str) -> str | None:
+        """sha256 of the tokenizer counting `model`'s prompts now (None: none, or set aside)."""
+        sha = self._by_model.get(model)
+        return None if sha is None or self._distrusted.get(model) == sha else sha
+
+    def distrust(self, model: str, why: str) -> bool:
+        """The engines serving `model` do not count its prompts as its tokenizer here does: count them by
+        estimate (never refusing on it) until another tokenizer is handed over. True the first time."""
+        sha = self._by_model.get(model)
+        if sha is None or self._distrusted.get(model) == sha:
+            return False
+        self._distrusted[model] = sha
+        log.warning("tokenizer %s does not count prompts of %s as its engines do (%s): its prompts are estimated "
+                    "and routed on the approximate prefix index until the engines' own tokenizer is handed over",
+                    sha[:12], model, why)
+        return True
+
+    def distrusted(self) -> dict[str, str]:
+        """model -> sha256 of the tokenizer set aside for it."""
+        return {m: sha for m, sha in self._distrusted.items() if self._by_model.get(m) == sha}
 
     def models(self) -> dict[str, str]:
         """model -> sha256 of its tokenizer."""
@@ -100,6 +126,8 @@ class TokenizerStore:
         self._check_room(sha256, models)
         for model in models:
             self._by_model[model] = sha256
+            if self._distrusted.get(model, sha256) != sha256:  # a different tokenizer: trusted until shown wrong
+                del self._distrusted[model]
         in_use = set(self._by_model.values())
         for sha in [s for s in self._counters if s not in in_use]:
             del self._counters[sha]

@@ -16,6 +16,7 @@ import io
 import json
 import os
 import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,19 @@ import pytest
 from openai import AsyncOpenAI, AuthenticationError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.procs import KVROUTE, REPO, Proc, ProcessGroup, free_port, wait_http_ok, wait_until
+from proxy.routing.cached_prefix import RECENT_S
+from proxy.tokens.bundle import read_model_dir
+from proxy.tokens.counter import PromptCounter
+from tests.support.procs import (
+    KVROUTE,
+    REPO,
+    Proc,
+    ProcessGroup,
+    admin_headers,
+    free_port,
+    wait_http_ok,
+    wait_until,
+)
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.timeout(420),
@@ -95,7 +108,8 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
                 [*KVROUTE, "worker", "--engine", "vllm", "--model", str(MODEL_DIR), "--device", "cpu",
                  "--served-model-name", MODEL, "--port", str(port), "--worker-id", worker_id,
                  "--proxy-url", proxy_url, "--drain-grace-s", "60", "--", *ENGINE_ARGS],
-                name=worker_id, env={"KVROUTE_LOG_DIR": str(log_dir), "VLLM_API_KEY": ENGINE_KEY})
+                name=worker_id, env={"KVROUTE_LOG_DIR": str(log_dir), "VLLM_API_KEY": ENGINE_KEY,
+                                     "VLLM_SERVER_DEV_MODE": "1"})  # POST /reset_prefix_cache
             workers[worker_id] = (proc, port)
         fleet = Fleet(proxy_url, workers, group)
 
@@ -150,6 +164,88 @@ def test_each_workers_engine_cache_reaches_the_proxy_through_its_kv_events(fleet
     except TimeoutError:
         print(kv_view(), fleet.workers[served][0].log()[-3000:])
         raise
+
+
+def _metric(fleet: Fleet, name: str, worker: str) -> float | None:
+    text = httpx.get(f"{fleet.proxy_url}/metrics", timeout=5).text
+    return next((sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                 if sample.name == name and sample.labels.get("worker") == worker), None)
+
+
+def _words(tag: str, n: int) -> str:
+    return " ".join(f"{tag}{i}" for i in range(n))
+
+
+def _send(fleet: Fleet, messages: list[dict]) -> httpx.Response:
+    resp = httpx.post(f"{fleet.proxy_url}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": messages, "max_tokens": 2, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def _prediction(fleet: Fleet, worker_id: str) -> dict:
+    return fleet.workers_view()[worker_id]["cache_prediction"]["last"]
+
+
+def test_the_proxys_own_token_ids_name_the_blocks_the_engines_events_name_text_image_and_conversation(fleet):
+    """The proxy counts each prompt itself (the tokenizer the workers handed over), names its blocks as vLLM does
+    and looks them up in each engine's KV events: what it predicts a worker holds is, token for token, what that
+    engine then reports it reused, for a text prompt, an image prompt and a conversation's next turn."""
+    bundle = read_model_dir(MODEL_DIR)
+    wait_until(lambda: httpx.post(f"{fleet.proxy_url}/workers/vllm-a/tokenizer", json={"sha256": bundle.sha256},
+                                  headers=admin_headers(fleet.proxy_url), timeout=5).json()["have"],
+               60, 0.5, "the workers' tokenizer at the proxy")
+    counter = PromptCounter(bundle)
+    image = {"type": "image_url", "image_url": {"url": png_data_url(160, 96, (10, 200, 90))}}
+    text = [{"role": "system", "content": _words("rule", 150)}, {"role": "user", "content": "first"}]
+    pictured = [{"role": "user", "content": [{"type": "text", "text": _words("look", 70)}, image,
+                                             {"type": "text", "text": _words("describe", 120)}]}]
+    turn = [{"role": "system", "content": _words("persona", 110)}, {"role": "user", "content": _words("ask", 30)}]
+    cases = {  # first request -> the request after it, sharing its prefix
+        "text": (text, text[:1] + [{"role": "user", "content": "second"}]),
+        "image": (pictured, pictured),
+        "conversation": (turn, turn + [{"role": "assistant", "content": "noted"},
+                                       {"role": "user", "content": _words("more", 120)}]),
+    }
+    holders = {}
+    for name, (first, _) in cases.items():
+        holders[name] = _send(fleet, first).headers["x-kvroute-worker"]
+    for name, (first, _) in cases.items():  # each engine's BlockStored events reached the proxy's view
+        blocks = (counter.count({"messages": first}, True).num_tokens - 1) // 128
+        wait_until(lambda w=holders[name], n=blocks: (_metric(fleet, "kvroute:worker_kv_event_blocks", w) or 0) >= n,
+                   20, 0.2, f"{name}: the engine's blocks at the proxy")
+    time.sleep(RECENT_S)  # past the window in which a dispatch stands in for the engine's events
+    for name, (first, then) in cases.items():
+        answer = _send(fleet, then)
+        served = answer.headers["x-kvroute-worker"]
+        assert served == holders[name], name  # the worker whose engine holds the prefix
+        reused = answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        before = counter.count({"messages": first}, True).token_ids
+        after = counter.count({"messages": then}, True).token_ids
+        common = next((i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), len(before))
+        expected = min(common, len(after) - 1) // 128 * 128  # whole blocks; never the prompt's last token
+        assert expected >= 256 and reused == expected, (name, reused, expected)
+        assert _prediction(fleet, served) == {"predicted": reused, "actual": reused, "source": "exact"}, name
+
+
+def test_a_prefix_the_engine_dropped_leaves_the_proxys_view_and_its_prediction(fleet):
+    messages = [{"role": "system", "content": _words("anchor", 150)}, {"role": "user", "content": "where?"}]
+    holder = _send(fleet, messages).headers["x-kvroute-worker"]
+    _, port = fleet.workers[holder]
+    wait_until(lambda: (_metric(fleet, "kvroute:worker_kv_event_blocks", holder) or 0) >= 3, 20, 0.2,
+               "the engine's blocks at the proxy")
+    engine = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60,
+                          headers={"Authorization": f"Bearer {ENGINE_KEY}"})
+    reset = engine.post("/reset_prefix_cache")  # vLLM's dev mode
+    assert reset.status_code == 200 and reset.json()["success"], reset.text
+    # vLLM publishes what a step changed: an idle engine's AllBlocksCleared waits for its next step
+    engine.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1,
+                                              "messages": [{"role": "user", "content": "hi"}]}).raise_for_status()
+    wait_until(lambda: _metric(fleet, "kvroute:worker_kv_event_blocks", holder) == 0, 20, 0.2,
+               "AllBlocksCleared at the proxy")
+    time.sleep(RECENT_S)
+    served = _send(fleet, messages).headers["x-kvroute-worker"]
+    assert _prediction(fleet, served) == {"predicted": 0, "actual": 0, "source": "exact"}
 
 
 def test_chat_with_text(fleet):

@@ -4,8 +4,10 @@ turn; and what the engine evicts leaves the proxy's view.
 
 The engine is launched with the command line `kvroute worker --engine vllm` builds (VllmAdapter with the
 worker's EngineKvFeed endpoints); the worker's subscriber and mirror run in a thread of this process, and the
-proxy's side is an EngineBlocks fed with the mirror's batches, as the reports would carry them. Token ids come
-from the engine's /tokenize (the proxy's own tokenizer will replace that). One engine for the module.
+proxy's side is an EngineBlocks fed with the mirror's batches, as the reports would carry them. Token ids are
+the proxy's own (proxy/tokens' counter over the model's tokenizer files, as a worker hands them over), never
+the engine's /tokenize. One engine for the module. Through `kvroute worker` and the proxy itself:
+tests/e2e/test_vllm_fleet.py.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ from proxy.registry import Registry
 from proxy.routing.block_hash import HashScheme, block_hashes
 from proxy.routing.engine_blocks import EngineBlocks
 from proxy.routing.media_ids import with_media_uuids
+from proxy.tokens.bundle import read_model_dir
+from proxy.tokens.counter import PromptCounter
+from proxy.tokens.media import media_uuid
+from proxy.tokens.prompt import CountedPrompt
 from tests.e2e.test_vllm_fleet import MODEL, MODEL_DIR, png_data_url
 from tests.support.procs import KVROUTE, ProcessGroup, free_port, wait_http_ok, wait_until
 
@@ -80,16 +86,23 @@ class Engine:
     scheme: HashScheme
     registry: Registry
     blocks: EngineBlocks
+    counter: PromptCounter
     reports: int = 0
 
+    def prompt(self, messages: list[dict]) -> CountedPrompt:
+        """The prompt's token ids (and media spans) as the proxy counts them."""
+        counted = self.counter.count({"messages": messages}, True)
+        assert counted is not None
+        return counted
+
     def chat(self, messages: list[dict], max_tokens: int = 2) -> list[int]:
-        """Serve `messages`; the prompt's token ids as the engine counted them."""
+        """Serve `messages`; the prompt's token ids as the proxy counts them (the engine counted as many)."""
         body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
         resp = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=120)
         assert resp.status_code == 200, resp.text
-        tokens = httpx.post(self.url + "/tokenize", json={"model": MODEL, "messages": messages}, timeout=60).json()
-        assert tokens["count"] == resp.json()["usage"]["prompt_tokens"]
-        return tokens["tokens"]
+        counted = self.prompt(messages)
+        assert counted.num_tokens == resp.json()["usage"]["prompt_tokens"]
+        return counted.token_ids
 
     def report(self) -> None:
         """What the worker's next load report would carry, taken by the proxy's side."""
@@ -123,7 +136,9 @@ def engine(tmp_path_factory) -> Iterator[Engine]:
         registry.register(WorkerRegistration(worker_id="w", url="http://w:1", models=[MODEL], boot_id="b"))
         block_size = re.search(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"', httpx.get(url + "/metrics").text)
         assert block_size is not None
-        yield Engine(url, feed, HashScheme(int(block_size.group(1)), *scheme), registry, blocks)
+        bundle = read_model_dir(MODEL_DIR)
+        assert bundle is not None
+        yield Engine(url, feed, HashScheme(int(block_size.group(1)), *scheme), registry, blocks, PromptCounter(bundle))
     except Exception:
         print(group.logs())
         raise
@@ -161,8 +176,10 @@ def test_an_image_named_by_its_content_hash_is_keyed_by_the_engine_as_the_proxy_
     assert payload is not None
     part = payload["messages"][0]["content"][1]
     tokens = engine.chat(payload["messages"])
+    (item,) = engine.prompt(payload["messages"]).media
     pads = [i for i, t in enumerate(tokens) if t == IMAGE_PAD]
-    media = [(part["uuid"], pads[0], len(pads))]
+    assert (item.offset, item.length) == (pads[0], len(pads)) and part["uuid"] == media_uuid(item.url)
+    media = [(part["uuid"], item.offset, item.length)]
     hashes = block_hashes(engine.scheme, tokens, media)
     first_image_block = pads[0] // engine.scheme.block_size
     assert len(hashes) > first_image_block + 1  # the image's block and one after it
@@ -180,8 +197,7 @@ def test_a_conversations_next_turn_finds_the_turn_before_in_the_engines_cache(en
     stored(engine, block_hashes(engine.scheme, first_tokens))
     second = first + [{"role": "assistant", "content": "noted"}, {"role": "user", "content": words("more", 120)}]
     engine.report()
-    second_tokens = httpx.post(engine.url + "/tokenize", json={"model": MODEL, "messages": second},
-                               timeout=60).json()["tokens"]
+    second_tokens = engine.prompt(second).token_ids
     hashes = block_hashes(engine.scheme, second_tokens)
     common = next((i for i, (a, b) in enumerate(zip(first_tokens, second_tokens, strict=False)) if a != b),
                   len(first_tokens))

@@ -58,6 +58,13 @@ def test_vllm_command_keeps_a_user_given_tensor_parallel_size():
     assert cmd.count("--tensor-parallel-size") == 0 and "--tensor-parallel-size=1" in cmd
 
 
+def test_vllm_answers_say_their_cached_tokens_unless_the_operator_chose_otherwise():
+    assert "--enable-prompt-tokens-details" in VllmAdapter().command(launch())
+    for given in ("--no-enable-prompt-tokens-details", "--enable-prompt-tokens-details"):
+        cmd = VllmAdapter().command(launch(engine_args=[given]))
+        assert cmd.count("--enable-prompt-tokens-details") + cmd.count("--no-enable-prompt-tokens-details") == 1
+
+
 def test_vllm_env_pins_gpus_and_drops_the_kv_space_override_on_cpu():
     adapter = VllmAdapter()
     env = adapter.environment(launch(gpus=["1", "3"]), {"PATH": "/bin"})
