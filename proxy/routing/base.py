@@ -21,6 +21,7 @@ from proxy.routing.candidates import Candidates
 from proxy.routing.estimator import FleetEstimator
 from proxy.routing.prediction import KvCostPrediction
 from proxy.routing.prefix_index import PrefixIndex
+from proxy.routing.stage_plan import StagePlan
 from proxy.routing_config import PolicyKnobs, RoutingConfig
 
 # name -> "module:Class". Adding a policy: one new file and one line here.
@@ -44,7 +45,8 @@ class Decision:
     `prefill_tokens`: the prompt tokens the worker is expected to compute (not in its cache), counted in its
     prefill backlog; 0 from policies that do not estimate what a worker caches. `scores`: each scored
     candidate's cost, for debugging and traces (None: the policy does not score). A policy's own predictions
-    travel in their own type: `prediction` (kv_cost's; None from every other policy).
+    travel in their own type: `prediction` (kv_cost's and split's; None from every other policy). `plan`: the
+    stages before this worker's, when a disaggregated model's request is split or encoded elsewhere first.
     """
 
     worker: Worker
@@ -53,6 +55,7 @@ class Decision:
     scores: dict[str, float] | None = None
     prefill_tokens: int = 0
     prediction: KvCostPrediction | None = None
+    plan: StagePlan | None = None  # a disaggregated model's other stages (proxy/routing/split.py); None: run it whole
 
 
 @dataclass
