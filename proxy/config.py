@@ -42,6 +42,10 @@ class Timeouts(_Strict):
     idle_s: float = Field(120.0, gt=0, description="longest silence between two streamed chunks")
     total_s: float | None = Field(3600.0, gt=0, description="non-streamed request sent -> whole answer received; "
                                                              "null: no limit")
+    kv_transfer_s: float = Field(60.0, gt=0, description=(
+        "a request split across a prefill and a decode worker: the prefill worker's answer, then the decode "
+        "worker's first byte (the KV pulled), each within this (the second at most first_byte_s); past it the "
+        "stage goes to another worker"))
     stall_min_s: float = Field(2.0, gt=0, description=(
         "a worker holding requests that sends nothing for max(this, 20 x its recent inter-chunk gap), at most "
         "idle_s, is stalled: no new work, its requests move to other workers (streams migrate)"))
