@@ -90,7 +90,9 @@ class Stages:
         self.attempts.chosen(trip, decision)
         trip.watch.worker = label  # the access log names every worker of the request
         routed = trip.routed
-        body = decode_body(routed.payload, trip.body, trip.served, handoff.kv_params, handoff.ec_params)
+        # the encoder's output goes to the worker that computes the prompt: after a prefill, the KV carries it
+        body = decode_body(routed.payload, trip.body, trip.served, handoff.kv_params,
+                           handoff.ec_params if handoff.prefill is None else None)
         outcome = await self.attempts.run(client, trip, decision, body, leg=Leg(DECODE, decode_timeouts,
                                                                                 label=label.encode()))
         if isinstance(outcome, Relayed):

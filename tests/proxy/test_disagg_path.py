@@ -19,6 +19,7 @@ import pytest
 
 from tests.proxy.test_e2e_forwarding import sse_events
 from tests.proxy.test_migration import migrations_metric
+from tests.sim.conftest import png_data_url
 from tests.support.procs import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -168,4 +169,21 @@ def test_a_decode_worker_that_dies_mid_stream_hands_the_rest_over_by_migration(f
     assert migrations_metric(fleet, "continued") == 1
     survivor = next(s for s in ds if s is not victim)
     assert sim_state(survivor)["requests_received"] == 1
+    nothing_held([p])
+
+
+def test_an_image_is_encoded_on_the_encode_worker_first_and_its_output_goes_to_the_prefill_worker(fleet):
+    ec = ("--ec-transfer", json.dumps({"connector": "ECExampleConnector", "extra": {}, "options": {}}))
+    (p,), (d,) = start(fleet, ALWAYS, prefill=(ec,), decode=(ec,))
+    (e,) = fleet.start_sims(1, time_scale=20.0, extra=("--role", "encode", *KV, *ec), prefix="e0")
+    image = {"type": "image_url", "image_url": {"url": png_data_url(256, 256)}}
+    for question in ("What is in the picture?", "Which colour is it?"):  # one image, two prompts
+        resp = fleet.chat([{"type": "text", "text": question}, image, {"type": "text", "text": LONG}], max_tokens=4)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-kvroute-worker"] == "e0-0,p0-0,d0-0"
+        assert resp.json()["usage"]["completion_tokens"] == 4
+    encoder = sim_state(e)["encoder"]
+    assert (encoder["cache_misses"], encoder["cache_hits"]) == (1, 1)  # the same image: encoded once
+    assert sim_state(p)["encoder"]["outputs_received"] == 2  # the prefill worker fetched it instead of encoding
+    assert sim_state(d)["encoder"]["outputs_received"] == 0  # the decode worker got the image's KV with the rest
     nothing_held([p])
