@@ -40,9 +40,10 @@ MAX_RELEASES = 1024
 
 def kv_untouched(failure: Retryable, streamed: bool) -> bool:
     """Whether a decode worker's failure leaves the prefill worker's KV for another decode worker: it refused the
-    request before its engine had it (429, 503), or a stream's connection broke before any byte came back (vLLM
-    answers a stream's head once it has the request). Any other failure may have come after its pull, which frees
-    the blocks on the prefill worker: a fresh prefill is safe where a second pull of those block ids is not."""
+    request before its engine had it (429, 503), or a stream's connection broke before any byte came back (vLLM's
+    server sends a stream's head before its engine is given the request). Any other failure may have come after
+    its pull, which frees the blocks on the prefill worker: a fresh prefill is safe where a second pull of those
+    block ids is not."""
     if failure.status in (429, 503):
         return True
     return streamed and failure.status is None and failure.reason == "connect_error"
