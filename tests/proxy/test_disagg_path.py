@@ -17,6 +17,7 @@ import httpx
 import orjson
 import pytest
 
+from tests.observability.test_tracing import Collector
 from tests.proxy.test_e2e_forwarding import sse_events
 from tests.proxy.test_migration import migrations_metric
 from tests.sim.conftest import png_data_url
@@ -186,4 +187,23 @@ def test_an_image_is_encoded_on_the_encode_worker_first_and_its_output_goes_to_t
     assert (encoder["cache_misses"], encoder["cache_hits"]) == (1, 1)  # the same image: encoded once
     assert sim_state(p)["encoder"]["outputs_received"] == 2  # the prefill worker fetched it instead of encoding
     assert sim_state(d)["encoder"]["outputs_received"] == 0  # the decode worker got the image's KV with the rest
+    nothing_held([p])
+
+
+def test_the_trace_of_a_split_request_shows_the_plan_and_one_upstream_span_per_leg(fleet):
+    collector = Collector()
+    try:
+        (p,), (d,) = start(fleet, ALWAYS.replace("proxy: {", f"proxy: {{otlp_endpoint: '{collector.url}', "))
+        assert fleet.chat(LONG, max_tokens=3).status_code == 200
+        spans = wait_until(lambda: (s := list(collector.spans)) and len([x for x in s if x.name == "upstream"]) == 2
+                           and s, 20, what="the request's spans at the collector")
+    finally:
+        collector.close()
+    attributes = [(s.name, {a.key: a.value for a in s.attributes}) for s in spans]
+    legs = {(a["kvroute.stage"].string_value, a["kvroute.worker"].string_value) for name, a in attributes
+            if name == "upstream"}
+    assert legs == {("prefill", "p0-0"), ("decode", "d0-0")}
+    attributes = dict(a for a in attributes if a[0] != "upstream")
+    assert attributes["route"]["kvroute.plan"].string_value.startswith("prefill on p0-0, decode on d0-0")
+    assert attributes["kvroute.request"]["kvroute.retries"].int_value == 0
     nothing_held([p])
