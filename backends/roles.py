@@ -25,7 +25,10 @@ def transfer_flag(value: str | None, flag: str) -> dict[str, Any] | None:
 
 def role_labels(kv_transfer: dict[str, Any] | None) -> dict[str, str]:
     """What the proxy needs to know of a worker's KV connector: its name (whether a decode worker needs the
-    prefill answer's kv_transfer_params) and its kv_role."""
+    prefill answer's kv_transfer_params), its kv_role and the link it moves KV over."""
     if not kv_transfer:
         return {}
-    return {"kv_connector": str(kv_transfer["connector"]), "kv_role": str(kv_transfer.get("kv_role", "kv_both"))}
+    labels = {"kv_connector": str(kv_transfer["connector"]), "kv_role": str(kv_transfer.get("kv_role", "kv_both"))}
+    if kv_transfer.get("link"):  # the network to the other pools, for the proxy's transfer-time predictions
+        labels["kv_link"] = str(kv_transfer["link"])
+    return labels

@@ -22,6 +22,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "tracing": ("bench.tracing_cost", "CPU per request with the access log and OpenTelemetry tracing off and on"),
     "vllm-kv": ("bench.vllm_kv", "real vLLM CPU workers under KV pressure: kvroute vs peers over the same engines "
                                  "(failures, stalls declared, the engines' prefix hit rate, TTFT)"),
+    "disagg": ("bench.disagg", "disaggregated serving on 8 sim GPUs: aggregated, fixed P/D splits, kvroute's "
+                               "conditional disaggregation and vllm-router's PD mode; TTFT, ITL, goodput, KV moved"),
     "peers": ("bench.peers", "install vllm-router, sglang-router and LMDeploy's proxy into bench/.peers/"),
     "plot": ("bench.plot", "draw a quality or overhead result's plots (PNG) from its JSON into bench/.plots/"),
     "headline": ("bench.headline", "the performance summary from the result files: print it, or --write "

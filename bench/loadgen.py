@@ -50,6 +50,8 @@ class Result:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    itl_s: float | None = None  # mean time between two generated tokens after the first (streams of 2+ tokens)
+    gaps: list[float] | None = None  # every such gap, when the generator records them (record_gaps)
 
     @property
     def ok(self) -> bool:
@@ -121,10 +123,13 @@ def carries_token(chunk: dict[str, Any]) -> bool:
     return bool(delta) or choice.get("finish_reason") is not None
 
 
-async def _consume_stream(resp: aiohttp.ClientResponse, res: Result, t0: float) -> None:
-    """Read SSE events; TTFT is the first event carrying a generated token."""
+async def _consume_stream(resp: aiohttp.ClientResponse, res: Result, t0: float, record_gaps: bool = False) -> None:
+    """Read SSE events; TTFT is the first event carrying a generated token, the inter-token latency the mean gap
+    between the token-carrying events after it (and each gap with `record_gaps`)."""
     chunks = 0
     buf = b""
+    first_at = last_at = 0.0
+    gaps: list[float] | None = [] if record_gaps else None
     async for data in resp.content.iter_any():
         buf += data
         while b"\n" in buf:
@@ -145,12 +150,20 @@ async def _consume_stream(resp: aiohttp.ClientResponse, res: Result, t0: float) 
                 res.error = f"error_code {obj['error_code']}"
             if carries_token(obj):
                 chunks += 1
+                now = time.perf_counter()
                 if res.ttft_s is None:
-                    res.ttft_s = time.perf_counter() - t0
+                    res.ttft_s = now - t0
+                    first_at = now
+                elif gaps is not None:
+                    gaps.append(now - last_at)
+                last_at = now
             if obj.get("usage"):
                 _usage(obj, res)
     if not res.completion_tokens:
         res.completion_tokens = chunks
+    if chunks > 1:
+        res.itl_s = (last_at - first_at) / (chunks - 1)
+        res.gaps = gaps
 
 
 class _Done:
@@ -178,7 +191,8 @@ class LoadGenerator:
     """Sends RequestSpecs to one base URL, or round-robin over several (client-side "direct")."""
 
     def __init__(self, targets: str | Sequence[str] | dict[str, Sequence[str]], timeout_s: float = 300.0,
-                 connections: int = 0, headers: dict[str, str] | None = None) -> None:
+                 connections: int = 0, headers: dict[str, str] | None = None, record_gaps: bool = False) -> None:
+        self.record_gaps = record_gaps  # keep every inter-token gap of each stream (Result.gaps)
         # a dict is model -> worker URLs: client-side round robin among the workers of the body's model
         self.by_model = {m: list(us) for m, us in targets.items()} if isinstance(targets, dict) else None
         self.targets = [targets] if isinstance(targets, str) else \
@@ -214,7 +228,7 @@ class LoadGenerator:
                 if resp.status != 200:
                     res.error = (await resp.text())[:200]
                 elif spec.stream:
-                    await _consume_stream(resp, res, t0)
+                    await _consume_stream(resp, res, t0, self.record_gaps)
                 else:
                     raw = await resp.read()  # no token is seen before the whole answer: no TTFT
                     obj = orjson.loads(raw)

@@ -5,7 +5,8 @@
 # Then disaggregated prefill/decode over NIXL: those workers stop, a prefill and a decode vLLM worker
 # (`kvroute worker --role prefill|decode --kv-transfer ...`) start on the same GPU, and a text and an
 # image prompt sent to the prefill worker (one token, do_remote_decode) and then, with the
-# kv_transfer_params it answered, to the decode worker must give the prefill worker's own greedy tokens.
+# kv_transfer_params it answered, to the decode worker must give the prefill worker's own greedy tokens,
+# directly and through the proxy's own P/D path (x-kvroute-worker naming both workers).
 #
 # Usage:  deploy/gpu-smoke.sh [GPU_ID]            (default GPU 0)
 # Env:    KVROUTE_PY      python of a venv with kvroute + GPU vllm   (default .venv/bin/python)
@@ -72,7 +73,9 @@ if [[ ! -f "$MODEL_DIR/config.json" ]]; then
 fi
 
 log "proxy on :$PROXY_PORT"
-"$PY" -m proxy.cli proxy --port "$PROXY_PORT" >"$SMOKE_DIR/proxy.log" 2>&1 &
+# every request of the P/D step's model is split (the default, conditional, keeps light load whole)
+echo "proxy: {routing: {disagg: {split: always}}}" >"$SMOKE_DIR/proxy.yaml"
+"$PY" -m proxy.cli proxy --port "$PROXY_PORT" --config "$SMOKE_DIR/proxy.yaml" >"$SMOKE_DIR/proxy.log" 2>&1 &
 PIDS+=("$!")
 for _ in $(seq 1 60); do curl -fsS "$PROXY/health" >/dev/null 2>&1 && break; sleep 0.5; done
 
@@ -223,6 +226,14 @@ with httpx.Client(timeout=300, headers=auth) as http:
               f"blocks={sum(len(g) for g in params.get('remote_block_ids') or [])} "
               f"remote={params.get('remote_host')}:{params.get('remote_port')} equal_to_aggregated={same}")
         failures += not same or not params.get("remote_block_ids")
+        # the same through kvroute's own P/D path: prefill leg, KV over NIXL, decode leg relayed
+        via = http.post(f"{proxy}/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 32, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
+        routed = via.status_code == 200 and via.json()["choices"][0]["token_ids"] == aggregated["choices"][0]["token_ids"]
+        print(f"  P/D {name:5} through kvroute: HTTP {via.status_code}, x-kvroute-worker="
+              f"{via.headers.get('x-kvroute-worker')}, equal_to_aggregated={routed}")
+        failures += not routed or via.headers.get("x-kvroute-worker") != "pd-prefill-0,pd-decode-0"
     metrics = http.get(f"{decode}/metrics").text
     print("  decode side: " + "; ".join(line for line in metrics.splitlines()
                                         if line.startswith(("vllm:nixl_xfer_time_seconds_count",

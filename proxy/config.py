@@ -43,6 +43,10 @@ class Timeouts(_Strict):
     idle_s: float = Field(120.0, gt=0, description="longest silence between two streamed chunks")
     total_s: float | None = Field(3600.0, gt=0, description="non-streamed request sent -> whole answer received; "
                                                              "null: no limit")
+    kv_transfer_s: float = Field(60.0, gt=0, description=(
+        "a request split across a prefill and a decode worker: the prefill worker's answer, then the decode "
+        "worker's first byte (the KV pulled), each within this (the second at most first_byte_s); past it the "
+        "stage goes to another worker"))
     stall_min_s: float = Field(2.0, gt=0, description=(
         "the least silence (no byte on its connections, its engine's progress counters still) of a worker holding "
         "requests before the proxy probes it, more for an engine whose measured steps are slow, at most idle_s; "

@@ -8,7 +8,7 @@ default: docs/design/.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -47,6 +47,17 @@ class KvCostConfig(Knobs):
     learn_max_queue_share: float = Field(0.25, ge=0, description=(
         "learn prefill cost only from requests whose predicted queueing was at most this share of the measured "
         "time to first token"))
+
+
+class DisaggConfig(Knobs):
+    """A disaggregated model's decision (proxy/routing/split.py over disagg.py): docs/design/disaggregation.md."""
+
+    split: Literal["conditional", "always"] = Field("conditional", description=(
+        "conditional: split a request across the prefill and decode pools only when that is predicted sooner "
+        "(or spares the decoders' running requests); always: every request that a prefill worker can take"))
+    shortlist_above: int = Field(16, ge=1, description="above this many candidates, score a random shortlist per "
+                                                       "role (plus the prefix holders)")
+    shortlist: int = Field(8, ge=1, description="random candidates of each role scored")
 
 
 class PrefixConfig(Knobs):
@@ -116,6 +127,7 @@ class PolicyKnobs(Knobs):
     kv_aware: KvAwareConfig = Field(default_factory=KvAwareConfig)
     kv_cost: KvCostConfig = Field(default_factory=KvCostConfig)
     prefix: PrefixConfig = Field(default_factory=PrefixConfig)
+    disagg: DisaggConfig = Field(default_factory=DisaggConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -137,7 +149,7 @@ class RoutingConfig(PolicyKnobs):
 
     def for_model(self, own: PolicyKnobs | None) -> PolicyKnobs:
         """The policy knobs of a model: this config's, with each key the model's `routing` sets replaced."""
-        base = PolicyKnobs(kv_aware=self.kv_aware, kv_cost=self.kv_cost, prefix=self.prefix)
+        base = PolicyKnobs(kv_aware=self.kv_aware, kv_cost=self.kv_cost, prefix=self.prefix, disagg=self.disagg)
         if own is None or not own.model_fields_set:
             return base
         return base.model_copy(update={

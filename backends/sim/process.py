@@ -101,7 +101,11 @@ async def serve(args: argparse.Namespace, preset: Preset) -> int:
         registration = WorkerRegistration(
             worker_id=args.worker_id, url=url, models=[model], engine="sim",
             kv_capacity_tokens=server.engine.kv.num_blocks * server.engine.kv.block_size,
-            max_model_len=server.engine.max_model_len, labels={"preset": preset.name, **role_labels(kv_transfer)},
+            max_model_len=server.engine.max_model_len, labels={
+                "preset": preset.name, **role_labels(kv_transfer),
+                # what crosses the link per token (the proxy's transfer-time predictions)
+                "kv_bytes_per_token": str(int(preset.kv_bytes_per_token)),
+                "encoder_bytes_per_token": str(int(preset.encoder_bytes_per_token))},
             role=args.role)
         reporter = ProxyReporter(args.proxy_url, registration, server.load_reading, token=args.proxy_token,
                                  kv_events=server.kv_events.mirror, on_registered=handover)

@@ -251,6 +251,7 @@ class SimServer:
         except orjson.JSONDecodeError as exc:
             return _error(400, f"invalid JSON body: {exc}", "BadRequestError")
         except ApiError as exc:
+            self._release_refused(body)
             return _json(exc.body(), exc.status)
         request_id = new_request_id(kind)
         sim_request = SimRequest(request_id, parsed.prompt, parsed.max_tokens, seed=parsed.seed,
@@ -290,6 +291,13 @@ class SimServer:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self.idle.set()
+
+    def _release_refused(self, body: Any) -> None:
+        """A refused request that names a prefill worker's KV frees it there at once (vLLM 0.32 notifies its
+        connector for every remote-prefill request its serving layer refuses; the proxy releases KV this way)."""
+        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if self.puller is not None and wants_remote_prefill(params):
+            self.puller.release(dict(params))  # type: ignore[arg-type]  # checked: a dict
 
     async def _stream(self, request: web.Request, parsed: ParsedRequest, builder: ResponseBuilder,
                       sim_request: SimRequest, queue: asyncio.Queue) -> web.StreamResponse:

@@ -233,6 +233,10 @@ class KvPuller:
         self._queued.pop(request.request_id, None)
         params = dict(request.remote_kv or {})
         request.remote_kv = None
+        self.release(params)
+
+    def release(self, params: dict[str, Any]) -> None:
+        """Tell the prefill worker `params` name to free those blocks now (vLLM: an empty read notification)."""
         self._spawn(self._post(params, "/sim/kv/pull", {"remote_request_id": params.get("remote_request_id"),
                                                         "block_ids": [], "link": self.link.name}))
 

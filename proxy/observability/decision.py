@@ -20,6 +20,8 @@ ADMIN_TOKEN_HEADER = b"x-kvroute-admin-token"
 HEADER_CANDIDATES = 8
 MAX_ID_CHARS = 64
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:/@+-]")
+_PLAN_UNSAFE = re.compile(r"[^A-Za-z0-9 ._:/@+(),-]")  # printable ASCII, no quote nor the parts' separator
+MAX_PLAN_CHARS = 240
 
 
 class DebugGate:
@@ -49,12 +51,17 @@ def _safe(text: str) -> str:
     return _UNSAFE.sub("_", text[:MAX_ID_CHARS])
 
 
-def explain(policy: str, reason: str, chosen: str, scores: Mapping[str, float] | None, attempt: int = 1) -> bytes:
+def explain(policy: str, reason: str, chosen: str, scores: Mapping[str, float] | None, attempt: int = 1,
+            plan: str | None = None) -> bytes:
     """The header line: `policy=P; reason=R; chosen=W; candidates=W1:S1,W2:S2 (+N more)`, best (lowest) first,
-    at most HEADER_CANDIDATES of them, ASCII only. Policies that do not score give no candidates."""
+    at most HEADER_CANDIDATES of them, ASCII only. Policies that do not score give no candidates. A
+    disaggregated model's `plan` (its stages, why, the predicted first token) comes as `plan="..."`."""
     parts = [f"policy={_safe(policy)}", f"reason={_safe(reason)}", f"chosen={_safe(chosen)}"]
     if attempt > 1:
         parts.append(f"attempt={attempt}")
+    if plan is not None:
+        shown = _PLAN_UNSAFE.sub("_", plan[:MAX_PLAN_CHARS].replace(";", ","))
+        parts.append(f'plan="{shown}"')
     best = best_candidates(scores, HEADER_CANDIDATES)
     if best:
         listed = ",".join(f"{_safe(w)}:{s:.4g}" for w, s in best)

@@ -103,9 +103,10 @@ class RequestTrace:
         self.events.append((name, time.monotonic_ns() + self.offset_ns, attributes))
 
     def route(self, started: float, ended: float, worker: str | None, reason: str, policy: str,
-              scores: Mapping[str, float] | None, held: bool) -> None:
-        """The decision as a `route` span: the best candidates with their scores, the pick, why, the policy;
-        and a `queue` span over the time the request was held in admission."""
+              scores: Mapping[str, float] | None, held: bool, plan: str | None = None) -> None:
+        """The decision as a `route` span: the best candidates with their scores, the pick, why, the policy (and
+        a disaggregated model's plan: its stages and why); and a `queue` span over the time the request was held
+        in admission."""
         start_ns, end_ns = self._ns(started), self._ns(ended)
         best = best_candidates(scores, ROUTE_CANDIDATES)
         attributes: dict[str, Any] = {"kvroute.policy": policy, "kvroute.reason": reason,
@@ -115,6 +116,8 @@ class RequestTrace:
             attributes["kvroute.candidates_scored"] = len(scores)
         if worker is not None:
             attributes["kvroute.worker"] = worker
+        if plan is not None:
+            attributes["kvroute.plan"] = plan
         rng = self.tracing.rng
         root = self.root_id
         if held:
@@ -123,12 +126,15 @@ class RequestTrace:
         self.spans.append(("route", rng.getrandbits(64) or 1, root, INTERNAL, start_ns, end_ns, attributes, (),
                            False))
 
-    def upstream_start(self, worker: str, url: str) -> bytes:
-        """Open the attempt's `upstream` span; the header line that carries its traceparent to the worker."""
+    def upstream_start(self, worker: str, url: str, stage: str | None = None) -> bytes:
+        """Open the attempt's `upstream` span (`stage`: encode, prefill or decode of a split request); the header
+        line that carries its traceparent to the worker."""
         self.attempts += 1
         self.up_id = span_id = self.tracing.rng.getrandbits(64) or 1
         self.up_start_ns = time.monotonic_ns() + self.offset_ns
         self.up_attributes = {"kvroute.worker": worker, "server.address": url, "kvroute.attempt": self.attempts}
+        if stage is not None:
+            self.up_attributes["kvroute.stage"] = stage
         return b"traceparent: 00-%032x-%016x-01\r\n" % (self.trace_id, span_id)
 
     def upstream_end(self, status: int | None, first_byte_at: float | None, error: str | None) -> None:

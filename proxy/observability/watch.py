@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import types
-from collections.abc import Awaitable, Generator
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any, Protocol, TypeVar
 
 from proxy.observability.accesslog import AccessLog
@@ -79,25 +79,31 @@ class RequestWatch:
         self.held = False
         return _suspends(pick, self)
 
-    def decided(self, worker_id: str, reason: str, scores: dict[str, float] | None, policy: str) -> bytes:
-        """A worker was picked; the `x-kvroute-decision` header line for the response when an admin asked."""
+    def decided(self, worker_id: str, reason: str, scores: dict[str, float] | None, policy: str,
+                plan: Callable[[], str] | None = None) -> bytes:
+        """A worker was picked; the `x-kvroute-decision` header line for the response when an admin asked.
+        `plan`: describes a disaggregated model's plan (its stages and why), asked only when shown."""
         self.worker, self.reason, self.policy = worker_id, reason, policy
         trace = self.trace
         if trace is not None:
             now = time.monotonic()
-            trace.route(self.pick_started or now, now, worker_id, reason, policy, scores, self.held)
+            trace.route(self.pick_started or now, now, worker_id, reason, policy, scores, self.held,
+                        plan() if plan is not None else None)
         if self.debug:
-            return explain(policy, reason, worker_id, scores, self.attempts + 1)
+            return explain(policy, reason, worker_id, scores, self.attempts + 1, plan() if plan is not None else None)
         return b""
 
-    def upstream(self, worker_id: str, url: str) -> bytes:
-        """An attempt starts; the traceparent header line for the worker (empty when not traced)."""
-        self.attempts += 1
+    def upstream(self, worker_id: str, url: str, stage: str | None = None) -> bytes:
+        """An attempt starts (`stage`: which leg of a split request); the traceparent header line for the worker
+        (empty when not traced)."""
+        if stage is None or stage == "decode":  # a split request's earlier legs are not tries of its own
+            self.attempts += 1
         trace = self.trace
-        return trace.upstream_start(worker_id, url) if trace is not None else b""
+        return trace.upstream_start(worker_id, url, stage) if trace is not None else b""
 
-    def attempt_ended(self, outcome: Any) -> None:
-        """An attempt is over: `outcome` is proxy/dataplane/outcome.py's Relayed or Retryable, None when the client went away."""
+    def attempt_ended(self, outcome: Any, to_client: bool = True) -> None:
+        """An attempt is over: `outcome` is proxy/dataplane/outcome.py's Relayed or Retryable, None when the client went away.
+        `to_client` False: its answer was the proxy's to read (a split request's encode or prefill leg)."""
         if outcome is None:
             status, first_byte_at, error = None, None, "client_closed"
             if not self.status:
@@ -110,10 +116,11 @@ class RequestWatch:
             else:
                 error = ("stream_error" if outcome.worker_failed else
                          "client_closed" if outcome.client_gone else None)
-            if first_byte_at is not None and self.first_byte_at is None:
-                self.first_byte_at = first_byte_at  # the client's first byte (a migrated stream's later ones are not)
-            if status:
-                self.status = status
+            if to_client:
+                if first_byte_at is not None and self.first_byte_at is None:
+                    self.first_byte_at = first_byte_at  # the client's first byte (a migrated stream's later ones are not)
+                if status:
+                    self.status = status
         self.error = error
         trace = self.trace
         if trace is not None:

@@ -23,6 +23,7 @@ from proxy.routing.engine_blocks import EngineBlocks
 from proxy.routing.estimator import FleetEstimator
 from proxy.routing.prediction import KvCostPrediction
 from proxy.routing.prefix_index import PrefixIndex
+from proxy.routing.stage_plan import StagePlan
 from proxy.routing_config import PolicyKnobs, RoutingConfig
 
 # name -> "module:Class". Adding a policy: one new file and one line here.
@@ -48,7 +49,8 @@ class Decision:
     the policy believed the worker caches (None: it did not look), which the engine's answer is compared with
     (cache_feedback.py). `scores`: each scored
     candidate's cost, for debugging and traces (None: the policy does not score). A policy's own predictions
-    travel in their own type: `prediction` (kv_cost's; None from every other policy).
+    travel in their own type: `prediction` (kv_cost's and split's; None from every other policy). `plan`: the
+    stages before this worker's, when a disaggregated model's request is split or encoded elsewhere first.
     """
 
     worker: Worker
@@ -58,6 +60,7 @@ class Decision:
     prefill_tokens: int = 0
     prediction: KvCostPrediction | None = None
     cached_tokens: int | None = None
+    plan: StagePlan | None = None  # a disaggregated model's other stages (proxy/routing/split.py); None: run it whole
 
 
 @dataclass

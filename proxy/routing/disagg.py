@@ -3,8 +3,8 @@ with encode on E first for images, whichever is predicted to give the first toke
 the requests already running. Conditional disaggregation by predicted time, not by a prompt-length threshold.
 
 Owns the arithmetic of that choice over typed views of the candidates (`view_of` builds one from a registry
-worker, its learnt WorkerModel and kv_cost's queue); no I/O, no registry access, not yet wired into the data plane
-(the request path comes with phase 2). Seconds throughout, as kv_cost.py and estimator.py:
+worker, its learnt WorkerModel and kv_cost's queue); no I/O, no registry access: split.py builds the views and the
+data plane runs the plan (proxy/dataplane/stages.py). Seconds throughout, as kv_cost.py and estimator.py:
 
     prefill(W)      = bias(W) + s_tok(W) x uncached(W) + s_vis(W) x uncached media(W)    [s_vis: 0 if E encoded]
     aggregated(W)   = queue(W) + prefill(W) + stall(W)                                    W in both, decode
@@ -149,7 +149,7 @@ def choose_encoder(request: RequestView, encoders: list[WorkerView], link: LinkV
     return _Encode(chosen, next(s for s, wid in scored if wid == chosen))
 
 
-def _prefill_on(w: WorkerView, request: RequestView, encode: _Encode) -> _Prefill:
+def _prefill_on(w: WorkerView, request: RequestView, encode: _Encode, always: bool = False) -> _Prefill:
     # (conditional expressions rather than min/max calls: this runs once per candidate per request)
     prompt, cached = request.prompt_tokens, w.cached_tokens
     if prompt > 1:
@@ -166,7 +166,7 @@ def _prefill_on(w: WorkerView, request: RequestView, encode: _Encode) -> _Prefil
     if encode.worker is not None and media > 0:
         # the prefill waits for the encoder output, which the encoder makes while the request would queue anyway
         remote = (encode.seconds if encode.seconds > queue else queue) + text_work
-        use_encoder = remote < local
+        use_encoder = always or remote < local
     ttft = remote if use_encoder else local
     work = w.s_per_token * uncached + (0.0 if use_encoder else vision)  # the step's own time (bias) runs anyway
     stall = (work - w.decode_step_s) * w.decoding if work > w.decode_step_s else 0.0
@@ -180,20 +180,24 @@ def _admit_s(d: WorkerView, need: float) -> float:
     return deficit / d.kv_release_tokens_per_s if d.kv_release_tokens_per_s > 0 else math.inf
 
 
-def plan(request: RequestView, workers: list[WorkerView], link: LinkView, explain: bool = False) -> Plan:
+def plan(request: RequestView, workers: list[WorkerView], link: LinkView, explain: bool = False,
+         split: str = "conditional") -> Plan:
     """The plan with the lowest predicted cost (module docstring); ValueError when no worker can generate.
-    `explain`: fill `alternatives` (what the debug decision log shows), at the cost of building their plans."""
+    `explain`: fill `alternatives` (what the debug decision log shows), at the cost of building their plans.
+    `split` "always": the best split whenever a prefill worker is among the candidates, and images encoded on an
+    encode worker whenever there is one (fixed E/P/D serving)."""
     encode = choose_encoder(request, [w for w in workers if w.role == "encode"], link)
+    always = split == "always"
     # options as plain tuples, Plans built for the chosen one and the runners-up only: (cost, 0, index, prefill)
     # for an aggregated plan, (cost, 1, index, decoder, transfer_s, admit_s, moved tokens, ttft) for a split
     aggregated: list[tuple] = []
     best_p: _Prefill | None = None
     for i, w in enumerate(workers):
         if w.role in AGGREGATED_ROLES:
-            p = _prefill_on(w, request, encode)
+            p = _prefill_on(w, request, encode, always)
             aggregated.append((p.ttft_s + p.stall_s, 0, i, p))
         elif w.role in PREFILL_ROLES:
-            p = _prefill_on(w, request, encode)
+            p = _prefill_on(w, request, encode, always)
             if best_p is None or p.ttft_s + p.stall_s < best_p.ttft_s + best_p.stall_s:
                 best_p = p
     splits: list[tuple] = []
@@ -212,8 +216,11 @@ def plan(request: RequestView, workers: list[WorkerView], link: LinkView, explai
         raise ValueError("no worker can generate: the candidates need a both or decode worker")
     best_agg = min(aggregated, default=None)
     best_split = min(splits, default=None)
-    chosen = best_agg if best_split is None or (
-        best_agg is not None and best_agg[0] - best_split[0] < RESOLUTION_S) else best_split  # else: skip the transfer
+    if always and best_split is not None:
+        chosen = best_split
+    else:  # within RESOLUTION_S of the best aggregated plan: skip the transfer
+        chosen = best_agg if best_split is None or (
+            best_agg is not None and best_agg[0] - best_split[0] < RESOLUTION_S) else best_split
 
     def make(option: tuple, reason: str = "") -> Plan:
         if option[1] == 0:
@@ -246,6 +253,8 @@ def plan(request: RequestView, workers: list[WorkerView], link: LinkView, explai
 def _reason(best: Plan, aggregated: Plan | None, request: RequestView) -> str:
     """Why, in the words the decision log shows."""
     if best.kind == "disaggregated":
+        if aggregated is not None and aggregated.cost_s < best.cost_s:
+            return "split: every request is split (disagg.split: always)"
         if aggregated is not None and aggregated.terms["stall_s"] > best.terms["stall_s"]:
             return "split: prefilling on a decoder would stall its running requests"
         return "split: the prefill pool gives the first token sooner"

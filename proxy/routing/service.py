@@ -1,9 +1,10 @@
 """The routing decisions the data plane asks for: which model a requested name means, which worker takes
 a request (admission included), and the accounting around each upstream attempt.
 
-Owns nothing but the seam: admission (proxy/routing/admission.py) holds or sends, the policy chooses, the
-registry's load view counts what is in flight, cache_feedback.py checks each answer's cached tokens against
-what the decision believed. Bytes, retries and answers are proxy/dataplane/'s.
+Owns nothing but the seam: admission (proxy/routing/admission.py) holds or sends, the policy chooses (a
+disaggregated model's is split.py's SplitPolicy), the registry's load view counts what is in flight,
+cache_feedback.py checks each answer's cached tokens against what the decision believed. Bytes, retries and
+answers are proxy/dataplane/'s.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from proxy.request import RoutedRequest
 from proxy.routing.admission import AdmissionController
 from proxy.routing.base import Decision, Policy
 from proxy.routing.cache_feedback import AnswerUsage, CacheFeedback, Expectation
+from proxy.routing.split import SplitFleet
 from proxy.tokens.store import TokenizerStore
 
 
@@ -46,6 +48,7 @@ class RoutingService:
         self.tokenizers = TokenizerStore(registry)  # each served model's, as its workers hand them over
         self.feedback = CacheFeedback(registry, lambda: live.policies.deps.cached_prefix, self.tokenizers,
                                       self._served_name)
+        self.split = SplitFleet(live, registry)  # models with prefill, decode or encode pools
         live.follow(self._follow)
 
     def _follow(self, live: LiveConfig) -> None:
@@ -67,6 +70,9 @@ class RoutingService:
             return name
 
     def policy_for(self, served: str) -> Policy:
+        split = self.split
+        if split.models and served in split.models:
+            return split.policy_for(served)  # type: ignore[return-value]  # not None: a disaggregated model
         return self.live.policies.for_model(served)
 
     def pick(self, policy: Policy, routed: RoutedRequest, served: str, tried: set[str],
@@ -75,11 +81,12 @@ class RoutingService:
         it. (Admission's own coroutine, handed over without a frame of its own: it runs per request.)"""
         return self.admission.admit(policy, routed, served, tried, first_attempt)
 
-    def begin(self, decision: Decision, policy: Policy, routed: RoutedRequest) -> InFlight:
-        """The request goes to decision.worker now: start its accounting. Pass the result to end()."""
+    def begin(self, decision: Decision, policy: Policy, routed: RoutedRequest, whole: bool = False) -> InFlight:
+        """The request goes to decision.worker now: start its accounting. Pass the result to end().
+        `whole`: this attempt's answer comes whole whatever the client asked (a split request's prefill)."""
         now = self.registry.clock()
         dispatch = decision.worker.load.start_request(decision.kv_tokens, now, decision.prefill_tokens,
-                                                      streamed=routed.stream)
+                                                      streamed=routed.stream and not whole)
         expected = self.feedback.expect(decision, routed, now)  # before on_dispatch inserts the prompt
         policy.on_dispatch(decision, routed, now)
         ticket = InFlight(decision, policy, routed, dispatch, time.monotonic(), expected)

@@ -4,8 +4,9 @@ One prefill and one decode worker share ExampleConnector's folder (the connector
 and images there: both sides need the same one). They must start, register with their roles, and a prompt sent
 first to the prefill worker (one token, do_remote_decode) and then to the decode worker must give the greedy
 tokens the prefill worker gives when it runs the prompt whole, with the decode worker's KV coming through the
-connector (vLLM's external prefix cache counters), for a text and an image prompt. The proxy's own P/D path is
-phase 2: the requests go straight to the engines here.
+connector (vLLM's external prefix cache counters), for a text and an image prompt. Through kvroute's own P/D path
+(`disagg.split: always`) the same holds: the proxy sends the prompt to the prefill worker for one token, then to the
+decode worker, whose greedy tokens equal the aggregated answer's, and the answer names both workers.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ LONG_TEXT = "Describe a harbour at dawn: the boats, the gulls, the fishermen men
 
 def config(kv_dir: str) -> str:
     return textwrap.dedent(f"""\
-        proxy: {{drain_grace_s: 10}}
+        proxy: {{drain_grace_s: 10, routing: {{disagg: {{split: always}}}}}}
         models:
           - name: tiny
             engine: vllm
@@ -115,3 +116,26 @@ def test_prefill_then_decode_gives_the_aggregated_greedy_tokens(fleet, kind):
     # the decode worker loaded the prompt's KV (whole blocks of 128 but the last token's) instead of computing it
     loaded = wait_until(lambda: (n := external_hits(decode) - before) > 0 and n, 15, what="the metrics to show it")
     assert loaded == (prompt - 1) // 128 * 128
+
+
+@pytest.mark.parametrize("kind", ["text", "image"])
+def test_greedy_answers_through_kvroutes_pd_path_equal_the_aggregated_ones(fleet, kind):
+    # not the prompts above: the connector's folder must not already hold this prompt's KV
+    content = "Tell me about a lighthouse keeper and the storms of one long winter. " * 8 if kind == "text" else [
+        {"type": "text", "text": "Look closely at this picture and describe all you see in it, please. " * 10},
+        {"type": "image_url", "image_url": {"url": png_data_url(96, 64, (40, 160, 60))}}]
+    decode = engine(fleet, "tiny-decode-0")
+    before = external_hits(decode)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 16,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    resp = httpx.post(f"{fleet.url}/v1/chat/completions", json=body, timeout=180)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-kvroute-worker"] == "tiny-prefill-0,tiny-decode-0"
+    answer = resp.json()
+    prompt = answer["usage"]["prompt_tokens"]
+    assert prompt > 128 and answer["usage"]["completion_tokens"] == 16
+    # the decode worker took the prompt's KV from what the proxy's prefill leg stored
+    loaded = wait_until(lambda: (n := external_hits(decode) - before) > 0 and n, 15, what="the metrics to show it")
+    assert loaded == (prompt - 1) // 128 * 128
+    aggregated = complete(engine(fleet, "tiny-prefill-0"), content, 16)  # the whole prompt on one engine
+    assert answer["choices"][0]["token_ids"] == aggregated["choices"][0]["token_ids"]

@@ -1,0 +1,229 @@
+"""`kvroute bench disagg` (issue 32): disaggregated serving side by side on one sim fleet of 8 GPUs and one workload.
+
+Owns the matrix (family x route x repeat) and each cell's measurement. A route is a fleet shape and a router over
+it: `aggregated` (8 x both, kvroute's default policy), `kvroute-split:2p6d` (2 prefill + 6 decode workers, kvroute
+splitting every request: fixed P/D), `kvroute:2p6d` (the same fleet, kvroute's conditional disaggregation: a request
+is split only when that is predicted sooner), `vllm-router:2p6d` (vllm-router 0.1.17's PD mode over the same
+workers, NIXL protocol). Every cell runs on a fresh fleet (empty caches, zeroed counters). Times are simulated
+seconds (wall x time scale). Figures per cell: TTFT and inter-token latency (each gap between two tokens of a
+stream) p50/p99, the per-request mean inter-token latency (TPOT) p99, goodput (the offered rate x the share of requests meeting
+TTFT <= --ttft-slo and TPOT <= --itl-slo), throughput, KV moved between workers, the share of requests split, and
+the sims' engine lag (how far they fell behind the wall clock: ~0 means the host kept up). Tables: disagg_report.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.disagg_report import render
+from bench.disagg_workloads import FAMILIES, KINDS, load_or_generate
+from bench.fleet import Fleet, SimWorkerSpec, free_port, resolve_default, start_kvroute
+from bench.loadgen import LoadGenerator, RunResult, percentile
+from bench.peers import RunningRouter, ensure_installed, spawn, wait_ready
+from bench.procstat import ProcessTree
+from bench.report import environment_note, results_path, write_json
+from bench.workloads import Workload
+
+PRESET = "h100-qwen3-vl-8b"
+WORKERS = 8
+REPEATS = 3
+SHAPES = {"8both": (0, 0), "2p6d": (2, 6), "3p5d": (3, 5), "4p4d": (4, 4)}
+ROUTES = ("aggregated", "kvroute-split:2p6d", "kvroute-split:3p5d", "kvroute-split:4p4d", "kvroute:2p6d",
+          "kvroute:3p5d", "vllm-router:2p6d", "vllm-router:3p5d")
+# offered load per family, requests per simulated second: the aggregated fleet near its ITL limit (bench/README.md)
+RATES = {"long_prompt": 14.0, "mixed_images": 30.0, "multi_turn": 24.0}
+LINK = "rdma-400g"
+
+
+def shape_of(route: str) -> tuple[str, str, str]:
+    """(router, fleet shape, kvroute policy spec) of a route name."""
+    if route == "aggregated":
+        return "kvroute", "8both", "default"
+    router, _, shape = route.partition(":")
+    if shape not in SHAPES or shape == "8both":
+        raise ValueError(f"route {route!r}: the shape after ':' is one of {', '.join(s for s in SHAPES if s != '8both')}")
+    if router == "kvroute-split":
+        return "kvroute", shape, "default@disagg.split=always"
+    if router in ("kvroute", "vllm-router"):
+        return router, shape, "default"
+    raise ValueError(f"unknown route {route!r}: aggregated, kvroute:SHAPE, kvroute-split:SHAPE or vllm-router:SHAPE")
+
+
+def fleet_specs(shape: str, time_scale: float, preset: str) -> list[SimWorkerSpec]:
+    prefill, decode = SHAPES[shape]
+    if not prefill:
+        return [SimWorkerSpec(model="qwen3-vl-8b", preset=preset, time_scale=time_scale) for _ in range(WORKERS)]
+
+    def kv(role: str, kv_role: str) -> list[str]:
+        return ["--role", role, "--kv-transfer", json.dumps({"connector": "NixlConnector", "kv_role": kv_role,
+                                                             "link": LINK})]
+
+    return ([SimWorkerSpec("qwen3-vl-8b", preset, time_scale, kv("prefill", "kv_producer")) for _ in range(prefill)]
+            + [SimWorkerSpec("qwen3-vl-8b", preset, time_scale, kv("decode", "kv_consumer")) for _ in range(decode)])
+
+
+def start_vllm_router(fleet: Fleet, shape: str, log_dir: Path) -> RunningRouter:
+    """vllm-router's PD mode over the fleet: its prefill and decode workers by URL, NIXL's protocol."""
+    venv = ensure_installed("vllm-router")
+    prefill, _ = SHAPES[shape]
+    port, metrics_port = free_port(), free_port()
+    args = [str(venv / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
+            *(a for u in fleet.urls[:prefill] for a in ("--prefill", u)),
+            *(a for u in fleet.urls[prefill:] for a in ("--decode", u)),
+            "--kv-connector", "nixl", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+            "--log-level", "warning"]
+    log_path = log_dir / f"vllm-router-pd-{port}.log"
+    popen = spawn(args, log_path)
+    router = RunningRouter(f"vllm-router:pd-{shape}", f"http://127.0.0.1:{port}", popen, log_path,
+                           ProcessTree(popen.pid))
+    try:
+        wait_ready(router.url, popen, log_path, path="/health")
+    except BaseException:
+        router.stop()
+        raise
+    return router
+
+
+def run_cell(args: argparse.Namespace, w: Workload, family: str, route: str, salt: str, log_dir: Path) -> dict[str, Any]:
+    router_kind, shape, policy = shape_of(route)
+    ts = args.time_scale
+    rate_wall = args.rate.get(family, RATES[family]) * ts
+    with Fleet(log_dir, fleet_specs(shape, ts, args.preset)) as fleet:
+        router = start_kvroute(fleet, resolve_default(policy)) if router_kind == "kvroute" else \
+            start_vllm_router(fleet, shape, log_dir)
+        try:
+            specs = w.specs(rate_wall, salt=salt, limit=args.requests)
+            before = fleet.sim_states()
+            cpu0 = router.tree.cpu_seconds()
+            run = asyncio.run(LoadGenerator(router.url, record_gaps=True).open_loop(specs, gap_scale=1.0))
+            router_cpu = (router.tree.cpu_seconds() - cpu0) / run.wall_s
+            after = fleet.sim_states()
+        finally:
+            router.stop()
+    row = measure(run, before, after, SHAPES[shape][0], ts, args.ttft_slo, args.itl_slo)
+    rate = rate_wall / ts
+    # goodput: the offered rate the route served within the SLO (every route is offered the same arrivals)
+    row.update(family=family, route=route, router_cpu=router_cpu, rate=rate, goodput_per_s=rate * row["goodput_frac"])
+    return row
+
+
+def measure(run: RunResult, before: list[dict], after: list[dict], prefill_workers: int, ts: float,
+            ttft_slo: float, itl_slo: float) -> dict[str, Any]:
+    """A cell's figures in simulated seconds (see the module docstring)."""
+    ok = [r for r in run.results if r.ok]
+    ttft = [r.ttft_s * ts for r in ok if r.ttft_s is not None]
+    tpot = [r.itl_s * ts for r in ok if r.itl_s is not None]
+    gaps = [g * ts for r in ok for g in (r.gaps or ())]
+    wall = run.wall_s * ts
+    good = sum(1 for r in ok if r.ttft_s is not None and r.ttft_s * ts <= ttft_slo
+               and (r.itl_s is None or r.itl_s * ts <= itl_slo))
+
+    def delta(key: str, sub: str | None = None) -> list[float]:
+        def get(state: dict) -> float:
+            value = state.get(sub, {}) if sub else state
+            return float(value.get(key, 0) or 0)
+        return [get(a) - get(b) for b, a in zip(before, after, strict=True)]
+
+    received = delta("requests_received")
+    split = sum(received[:prefill_workers])
+    return {
+        "requests": len(run.results), "ok": len(ok), "failed": len(run.results) - len(ok),
+        "errors": sorted({r.error for r in run.results if r.error})[:3],
+        "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+        "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99),
+        "tpot_p50": percentile(tpot, 50), "tpot_p99": percentile(tpot, 99),
+        "goodput_frac": good / len(run.results) if run.results else 0.0,
+        "req_per_s": len(ok) / wall if wall else 0.0,
+        "output_tok_per_s": sum(r.completion_tokens for r in ok) / wall if wall else 0.0,
+        "kv_moved_gb": sum(delta("bytes_received", "kv_transfer")) / 1e9,
+        "transfers": int(sum(delta("transfers_received", "kv_transfer"))),
+        "split_share": split / len(ok) if ok and prefill_workers else 0.0,
+        "prefix_hit": _hit(delta("prefix_cache_hits"), delta("prefix_cache_queries")),
+        "engine_lag_s": max(delta("lag_sim_s"), default=0.0), "wall_s": wall,
+        "held_at_end": int(sum(float(a.get("blocks_held_for_transfer", 0)) for a in after)),
+    }
+
+
+def _hit(hits: list[float], queries: list[float]) -> float | None:
+    return sum(hits) / sum(queries) if sum(queries) else None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--families", default=",".join(KINDS), help=f"comma-separated, from {', '.join(KINDS)}")
+    p.add_argument("--routes", default=",".join(ROUTES),
+                   help="comma-separated: aggregated, kvroute:SHAPE (conditional), kvroute-split:SHAPE (always "
+                        "split), vllm-router:SHAPE (its PD mode); SHAPE 2p6d, 3p5d or 4p4d")
+    p.add_argument("--repeats", type=int, default=REPEATS)
+    p.add_argument("--requests", type=int, default=160, help="requests per cell")
+    p.add_argument("--time-scale", type=float, default=0.25,
+                   help="sim time scale, the same for every route (below 1 when the host cannot keep 8 sims up)")
+    p.add_argument("--rate", default="", help="FAMILY=REQ_PER_SIMULATED_S,... over the defaults "
+                                              f"({', '.join(f'{k}={v:g}' for k, v in RATES.items())})")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--preset", default=PRESET)
+    p.add_argument("--ttft-slo", type=float, default=2.0, help="goodput: time to first token, simulated seconds")
+    p.add_argument("--itl-slo", type=float, default=0.05, help="goodput: mean inter-token latency, simulated seconds")
+    p.add_argument("--name", default="disagg", help="result file name after the date")
+    p.add_argument("--out-dir", type=Path, default=None, help="default bench/results/")
+    p.add_argument("--render", type=Path, default=None, help="only regenerate the markdown from this JSON file")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.render:
+        args.render.with_suffix(".md").write_text(render(json.loads(args.render.read_text())))
+        print(args.render.with_suffix(".md"))
+        return 0
+    args.rate = {k: float(v) for k, v in (item.split("=") for item in args.rate.split(",") if item)}
+    families = [f for f in args.families.split(",") if f]
+    routes = [r for r in args.routes.split(",") if r]
+    for route in routes:
+        shape_of(route)
+    data: dict[str, Any] = {"meta": {
+        "environment": environment_note(), "command": "kvroute bench disagg " + shlex.join(
+            sys.argv[sys.argv.index("disagg") + 1:] if "disagg" in sys.argv else sys.argv[1:]),
+        "workers": WORKERS, "preset": args.preset, "time_scale": args.time_scale, "requests": args.requests,
+        "repeats": args.repeats, "ttft_slo": args.ttft_slo, "itl_slo": args.itl_slo, "link": LINK,
+        "families": {f: FAMILIES[f] for f in families}, "took_s": 0.0}, "rows": [], "failed_cells": []}
+    log_dir = Path(__file__).resolve().parent / ".runs" / f"disagg-{int(time.time())}"
+    started = time.time()
+    total, done = len(families) * len(routes) * args.repeats, 0
+    for family in families:
+        w = load_or_generate(family, args.seed, args.requests)
+        for rep in range(args.repeats):  # repeats outermost: drift on the machine spreads over every route
+            for route in routes:
+                t0 = time.time()
+                try:
+                    row = run_cell(args, w, family, route, f"{family}-{route}-{rep}-{time.time()}",
+                                   log_dir / family / f"{route.replace(':', '-')}-{rep}")
+                except Exception as exc:  # one broken router must not cost the other cells
+                    print(f"[disagg] {family} {route} #{rep} FAILED: {exc}", flush=True)
+                    data["failed_cells"].append(f"{family} {route} #{rep}: {str(exc)[:300]}")
+                    continue
+                finally:
+                    done += 1
+                row["repeat"] = rep
+                data["rows"].append(row)
+                eta = (time.time() - started) / done * (total - done)
+                print(f"[disagg] {family} {route} #{rep}: ok={row['ok']}/{row['requests']} ttft p50/p99="
+                      f"{row['ttft_p50'] or 0:.2f}/{row['ttft_p99'] or 0:.2f}s itl p50/p99={1000 * (row['itl_p50'] or 0):.0f}/"
+                      f"{1000 * (row['itl_p99'] or 0):.0f}ms goodput={row['goodput_per_s']:.2f}/s split="
+                      f"{100 * row['split_share']:.0f}% kv={row['kv_moved_gb']:.1f}GB lag={row['engine_lag_s']:.2f}s "
+                      f"({time.time() - t0:.0f}s, ETA {eta / 60:.0f} min)", flush=True)
+                data["meta"]["took_s"] = time.time() - started
+                write_json(results_path(args.name, ".json", args.out_dir), data)
+                results_path(args.name, ".md", args.out_dir).write_text(render(data))
+    print(render(data))
+    return 0 if not data["failed_cells"] else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))
