@@ -161,13 +161,13 @@ def _pct(xs: list[float], q: float) -> float:
 
 async def _one_cell(n: int, policy_name: str, decisions: int, requests: list[Any], seed: int) -> dict[str, Any]:
     from proxy.config import FleetConfig
-    from proxy.live import LiveConfig
     from proxy.protocol import report_interval_for
-    from proxy.registry import Registry
     from proxy.routing.base import PolicyDeps
+    from proxy.routing.live import LiveConfig
     from proxy.routing.policy_set import PolicySet
     from proxy.routing.prefix_index import PrefixIndex
     from proxy.routing.service import InFlight, RoutingService
+    from proxy.workers.registry import Registry
 
     rng = random.Random(seed)
     clock = SimClock()

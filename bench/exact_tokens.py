@@ -1,6 +1,6 @@
 """What exact prompt counting costs the proxy, step by step, next to the estimate it replaces where it matters.
 
-Owns the in-process measurement behind proxy/tokens/store.py's thresholds: CPU per request of the estimate
+Owns the in-process measurement behind proxy/routing/tokenizer_store.py's thresholds: CPU per request of the estimate
 (parse_request) and of the exact count (render + cut + cache, encode, finish) for a short new prompt, a
 conversation whose history is cached, and 10k-token prompts new and cached; what a hop to a thread costs; how
 long each step holds the event loop as prompts grow. Qwen3's real tokenizer and chat template (the
@@ -24,11 +24,11 @@ import orjson
 
 from bench.report import environment_note, md_table, results_path
 from proxy.protocol import WorkerRegistration
-from proxy.registry import Registry
 from proxy.request import CHAT, parse_request
+from proxy.routing.tokenizer_store import TokenizerStore
 from proxy.tokens.bundle import read_model_dir
 from proxy.tokens.counter import PromptCounter
-from proxy.tokens.store import TokenizerStore
+from proxy.workers.registry import Registry
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny-qwen3-vl"
 _VOCAB = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")

@@ -22,11 +22,11 @@ from bench.report import environment_note, md_table, results_path, write_json
 from proxy.dataplane.reports import answer_report
 from proxy.kvevents import KvEventBatch, pack_hashes
 from proxy.protocol import LoadReport, WorkerRegistration
-from proxy.registry import Registry
 from proxy.routing import block_hash
 from proxy.routing.block_hash import HashScheme, block_hashes
 from proxy.routing.engine_blocks import EngineBlocks
 from proxy.security.controlauth import secret_hash
+from proxy.workers.registry import Registry
 
 SECRET = "s" * 32
 

@@ -48,10 +48,10 @@ def decision_time(sizes: tuple[int, ...], decisions: int, seed: int = 0) -> list
 
     select_from() over a roster of the fleet, as admission calls it (bench/decision.py times the whole pick).
     """
-    from proxy.loadview import EngineReading
-    from proxy.registry import Worker
     from proxy.routing.base import PolicyDeps, make_policy
     from proxy.routing.candidates import Candidates, Roster
+    from proxy.workers.loadview import EngineReading
+    from proxy.workers.registry import Worker
 
     rng = random.Random(seed)
     requests = _requests(rng, 512)

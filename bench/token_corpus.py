@@ -1,4 +1,4 @@
-"""The fixed text corpus that token estimates are measured on (bench/token_estimate.py, tests/proxy/test_token_estimate.py).
+"""The fixed text corpus that token estimates are measured on (bench/token_estimate.py, tests/proxy/routing/test_token_estimate.py).
 
 Owns building bench/data/token_corpus.jsonl from local sources only (Python's own docs and
 stdlib code, sentences written here, generated JSON and numbers) and reading it back; it does

@@ -98,7 +98,7 @@ def measure(fleet: Fleet, variant: str, requests: int, concurrency: int, collect
 
 def micro(n: int) -> None:
     """The same three variants in this process: the data plane's observability calls for one request
-    (proxy/observability/watch.py, as journey.py makes them), CPU time per request, logs to a file."""
+    (proxy/observability/request_watch.py, as journey.py makes them), CPU time per request, logs to a file."""
     import logging
     import os
 
@@ -108,8 +108,8 @@ def micro(n: int) -> None:
     from proxy.observability.accesslog import AccessLog
     from proxy.observability.decision import DebugGate
     from proxy.observability.otlp import encode_request
+    from proxy.observability.request_watch import Observer
     from proxy.observability.tracing import Tracing
-    from proxy.observability.watch import Observer
 
     class Dropped(SpanExporter):
         def __init__(self) -> None:

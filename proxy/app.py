@@ -22,23 +22,23 @@ from proxy import gctuning
 from proxy.api import control, openapi, ops, tokenizers
 from proxy.api import openai as openai_api
 from proxy.config import FleetConfig
-from proxy.engine_probe import EngineProbe
 from proxy.errors import error_response, shutting_down
-from proxy.live import LiveConfig
-from proxy.liveconfig import ConfigChange, merge
-from proxy.metrics import ProxyMetrics
-from proxy.monitor import HealthMonitor
 from proxy.observability.cache_prediction import CachePredictionMetrics
-from proxy.registry import Registry
+from proxy.observability.metrics import ProxyMetrics
 from proxy.routing.base import PolicyDeps
+from proxy.routing.live import LiveConfig
+from proxy.routing.live_changes import ConfigChange, merge
 from proxy.routing.policy_set import PolicySet
 from proxy.routing.prefix_index import PrefixIndex
 from proxy.routing.service import RoutingService
 from proxy.security import peer
 from proxy.security.clientauth import ClientAuth, client_keys_middleware
 from proxy.security.limits import limits_middleware, parser_limits
-from proxy.state import RedisState
-from proxy.upstream import Upstream
+from proxy.workers.engine_probe import EngineProbe
+from proxy.workers.monitor import HealthMonitor
+from proxy.workers.probe_session import Upstream
+from proxy.workers.redis_mirror import RedisState
+from proxy.workers.registry import Registry
 
 log = logging.getLogger("kvroute.proxy")
 

@@ -18,7 +18,11 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from proxy.engine_env import ENGINE_ENV_NAMES, ENGINE_ENV_PREFIXES, engine_env_allowed
 from proxy.pools import EcTransfer, KvTransfer, Pool, PoolConfigError, check_pools
 from proxy.routing_config import PolicyKnobs, RoutingConfig
-from proxy.security.networks import DEFAULT_WORKER_NETWORKS
+
+# Loopback and the private ranges: where a fleet's workers live unless the operator says otherwise
+# (proxy/security/networks.py enforces proxy.worker_networks).
+DEFAULT_WORKER_NETWORKS: tuple[str, ...] = ("127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12",
+                                            "192.168.0.0/16", "fc00::/7")
 
 PolicyName = str  # validated against proxy.routing's registry by the proxy at start-up
 EngineKind = Literal["vllm", "turbomind", "sim"]

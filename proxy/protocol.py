@@ -1,7 +1,7 @@
 """The wire schema between workers and the proxy: registration and load reports.
 
 Owns only data shapes (pydantic), their JSON names and the bounds of every field; workers import it
-too, so it imports nothing else from the proxy but the leaf proxy/security/identifiers.py.
+too, so it imports nothing else from the proxy but the leaf proxy/identifiers.py.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from proxy import identifiers as ids
 from proxy.kvevents import KvEventBatch
-from proxy.security import identifiers as ids
 
 # Engines a worker may say it runs. "pytorch" is LMDeploy's PyTorch engine, which
 # LMDeploy falls back to when TurboMind lacks the model (Qwen3-VL as of 0.18).
@@ -27,7 +27,7 @@ WorkerRole = Literal["both", "prefill", "decode", "encode"]
 # say it): every REPORT_INTERVAL_S while the fleet is small, slower as it grows so that all workers together
 # send at most REPORTS_PER_S (each costs the proxy CPU: docs/design/data-plane.md), and never slower than
 # REPORT_INTERVAL_MAX_S (4 Hz). Admission confirms a request the engine took in by a report or by its first
-# output (proxy/loadview.py): a fresh report matters there (docs/design/admission.md).
+# output (proxy/workers/loadview.py): a fresh report matters there (docs/design/admission.md).
 REPORT_INTERVAL_S = 0.05
 REPORT_INTERVAL_MAX_S = 0.25
 REPORTS_PER_S = 200.0
@@ -40,7 +40,7 @@ WORKER_SECRET_HEADER = "x-kvroute-worker-secret"  # a re-registering worker's pr
 
 # Bounds of what a worker may say (docs/security.md, "Numbers from workers and Redis"): every integer fits
 # int64, so no view can fail to encode it; each bound is far above any real engine and far below what
-# would overflow the proxy's arithmetic. Lies inside them are the trust factor's (proxy/security/trust.py).
+# would overflow the proxy's arithmetic. Lies inside them are the trust factor's (proxy/workers/report_trust.py).
 INT64_MAX = 2**63 - 1
 MAX_REQUESTS = 1_000_000                # num_running, num_waiting
 MAX_KV_CAPACITY_TOKENS = 2**40          # ~1.1e12: a thousand times the KV cache of a whole 8-GPU node

@@ -134,7 +134,7 @@ class RoutedRequest:
     session_key: str | None = None
     media_count: int = 0
     media_tokens: int = 0  # of prompt_tokens, the image/video tokens (priced with the vision encoder)
-    # The prompt as the engine tokenizes it, where the model's tokenizer is known (proxy/tokens/store.py): counted
+    # The prompt as the engine tokenizes it, where the model's tokenizer is known (proxy/routing/tokenizer_store.py): counted
     # before routing when the count matters (then exact_tokens, and prompt_tokens/media_tokens are the engine's),
     # else on first use of `tokens.counted`.
     tokens: PromptTokens | None = None

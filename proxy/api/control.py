@@ -19,14 +19,12 @@ from aiohttp import web
 from pydantic import ValidationError
 from yarl import URL
 
+from proxy import identifiers as ids
 from proxy import protocol
 from proxy.config import ProxyConfig
 from proxy.errors import error_response
-from proxy.monitor import PROBE_MODELS_DEADLINE_S, HealthMonitor
 from proxy.protocol import LoadReport, RegistrationAccepted, ReportAccepted, WorkerRegistration
-from proxy.registry import Registry, Worker, worker_id_from_url
 from proxy.security import browser, peer
-from proxy.security import identifiers as ids
 from proxy.security.browser import OwnNames
 from proxy.security.controlauth import ADMIN_WHAT, Caller, ControlAuth, new_secret, secret_hash
 from proxy.security.networks import (
@@ -38,6 +36,8 @@ from proxy.security.networks import (
     parse_networks,
 )
 from proxy.security.redact import redact_mapping, redact_text
+from proxy.workers.monitor import PROBE_MODELS_DEADLINE_S, HealthMonitor
+from proxy.workers.registry import Registry, Worker, worker_id_from_url
 
 log = logging.getLogger("kvroute.control")
 

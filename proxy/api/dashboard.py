@@ -16,12 +16,14 @@ import orjson
 from aiohttp import web
 
 from proxy.errors import error_response
-from proxy.metrics import ProxyMetrics
 from proxy.observability.dashboard_feed import DashboardFeed, TooManyListeners
-from proxy.registry import Registry
+from proxy.observability.metrics import ProxyMetrics
+from proxy.workers.registry import Registry
 
 STATIC_DIR = Path(__file__).with_name("static")
 FEED_KEY = web.AppKey("kvroute_dashboard_feed", DashboardFeed)
+# Set by `kvroute up` (proxy/fleet/api.py), which builds on this app: the fleet manager's view, for the page.
+FLEET_SNAPSHOT_KEY: web.AppKey[Callable[[], dict[str, Any]]] = web.AppKey("kvroute_fleet_snapshot")
 KEEPALIVE_S = 15.0    # an SSE comment line keeps idle proxies and browsers from closing the stream
 WRITE_TIMEOUT_S = 10.0  # a page that stops reading is dropped instead of holding frames
 
@@ -88,8 +90,6 @@ def _gone(request: web.Request) -> bool:
 
 def _fleet_snapshot(app: web.Application) -> dict[str, Any] | None:
     """The fleet manager's view when the proxy runs inside `kvroute up`; None for a plain proxy."""
-    from proxy.fleet.api import FLEET_MANAGER_KEY  # imported late: proxy.fleet builds on proxy.app
-
-    manager = app.get(FLEET_MANAGER_KEY)
-    return None if manager is None else manager.snapshot()
+    snapshot = app.get(FLEET_SNAPSHOT_KEY)
+    return None if snapshot is None else snapshot()
 

@@ -13,8 +13,8 @@ import orjson
 from aiohttp import web
 
 from proxy.config import FleetConfig
-from proxy.live import LiveConfig
-from proxy.registry import Registry
+from proxy.routing.live import LiveConfig
+from proxy.workers.registry import Registry
 
 CREATED = int(time.time())
 

@@ -1,7 +1,7 @@
 """Operations endpoints: GET /health (liveness), GET /ready (a worker can serve), GET /metrics, and the
 dashboard's routes (/dashboard, /dashboard/state, /dashboard/events; see proxy/api/dashboard.py).
 
-Owns registering these routes; metric definitions are in proxy/metrics.py.
+Owns registering these routes; metric definitions are in proxy/observability/metrics.py.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from proxy.api import dashboard
-from proxy.metrics import ProxyMetrics
-from proxy.registry import Registry, WorkerState
+from proxy.observability.metrics import ProxyMetrics
+from proxy.workers.registry import Registry, WorkerState
 
 
 def add_routes(app: web.Application, registry: Registry, metrics: ProxyMetrics,

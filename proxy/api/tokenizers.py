@@ -2,7 +2,7 @@
 
 Owns the route and its answers. The caller is that worker (its own secret) or an admin: control.py's middleware
 checks every /workers/{id}/... route. What a bundle is: proxy/tokens/bundle.py; keeping tokenizers (one per
-model, a bounded number, loaded off the event loop): proxy/tokens/store.py.
+model, a bounded number, loaded off the event loop): proxy/routing/tokenizer_store.py.
 
 Body `{"sha256": HEX}`: `{"have": true}` when the proxy holds that tokenizer (now bound to the worker's models),
 else `{"have": false}`: send it again with `"bundle"` (bundle.py's wire form).
@@ -17,9 +17,9 @@ import orjson
 from aiohttp import web
 
 from proxy.errors import error_response
-from proxy.registry import Registry
+from proxy.routing.tokenizer_store import TokenizerLimit, TokenizerStore
 from proxy.tokens.bundle import BundleError
-from proxy.tokens.store import TokenizerLimit, TokenizerStore
+from proxy.workers.registry import Registry
 
 log = logging.getLogger("kvroute.tokens")
 

@@ -21,9 +21,9 @@ from proxy.dataplane.relay import Client
 from proxy.dataplane.stall import StallWatch
 from proxy.dataplane.trip import Trip
 from proxy.dataplane.usage import answered_usage
-from proxy.live import LiveConfig
-from proxy.metrics import ProxyMetrics
+from proxy.observability.metrics import ProxyMetrics
 from proxy.routing.base import Decision
+from proxy.routing.live import LiveConfig
 from proxy.routing.service import RoutingService
 
 

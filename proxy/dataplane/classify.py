@@ -1,4 +1,4 @@
-"""A failed attempt in proxy/retry_policy.py's terms, and what one request may still spend on retries.
+"""A failed attempt in proxy/dataplane/retry_policy.py's terms, and what one request may still spend on retries.
 
 Owns the mapping from an exchange's Retryable to retry_policy's Attempt and the request's budget: `retries`
 attempts that ran something, plus up to FREE_MOVES moves past workers that ran nothing (unreachable or
@@ -9,8 +9,8 @@ verdict itself is retry_policy.classify's, which stays pure; what counts against
 from __future__ import annotations
 
 from proxy.dataplane.outcome import Retryable
-from proxy.registry import Worker
-from proxy.retry_policy import Action, Attempt, Failure, Verdict, classify
+from proxy.dataplane.retry_policy import Action, Attempt, Failure, Verdict, classify
+from proxy.workers.registry import Worker
 
 # Failures that ran nothing for the client (unreachable or stalled worker): moving on costs no retry.
 FREE_REASONS = frozenset({"connect_error", "stalled"})

@@ -17,7 +17,7 @@ import resource
 from typing import Protocol
 
 from proxy.config import ProxyLimits
-from proxy.metrics import ProxyMetrics
+from proxy.observability.metrics import ProxyMetrics
 
 log = logging.getLogger("kvroute.dataplane")
 

@@ -11,7 +11,7 @@ from proxy.dataplane import http
 from proxy.dataplane.identity import VIA_HEADER, via_chain
 from proxy.dataplane.incoming import IncomingRequest
 from proxy.dataplane.pool import Endpoint
-from proxy.registry import Worker
+from proxy.workers.registry import Worker
 
 # Request headers a worker never gets from the client (besides hop-by-hop ones).
 TO_WORKER_DROP = http.CLIENT_CREDENTIALS | http.TO_WORKER_REPLACED

@@ -16,9 +16,9 @@ from proxy.dataplane.head import UpstreamHead
 from proxy.dataplane.identity import VIA_HEADER, refuse_loop
 from proxy.dataplane.outcome import STREAM, WHOLE
 from proxy.dataplane.trip import Trip
-from proxy.live import LiveConfig
-from proxy.metrics import ProxyMetrics
+from proxy.observability.metrics import ProxyMetrics
 from proxy.request import CHAT, RoutedRequest, parse_request
+from proxy.routing.live import LiveConfig
 from proxy.routing.media_ids import body_with_media_uuids
 from proxy.routing.service import RoutingService
 from proxy.security.clientauth import ClientAuth

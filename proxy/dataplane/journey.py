@@ -20,17 +20,17 @@ from proxy.dataplane.pool import UpstreamPool
 from proxy.dataplane.record import Recorder
 from proxy.dataplane.relay import Client
 from proxy.dataplane.resume import Resumer
+from proxy.dataplane.retry_policy import Action
 from proxy.dataplane.stages import Stages
 from proxy.dataplane.stall import EngineProbe, StallWatch
 from proxy.dataplane.trip import Trip
 from proxy.errors import ProxyError
-from proxy.live import LiveConfig
-from proxy.metrics import ProxyMetrics
-from proxy.observability.watch import Observer
-from proxy.registry import Registry
-from proxy.retry_policy import Action
+from proxy.observability.metrics import ProxyMetrics
+from proxy.observability.request_watch import Observer
+from proxy.routing.live import LiveConfig
 from proxy.routing.service import RoutingService
 from proxy.security.clientauth import ClientAuth
+from proxy.workers.registry import Registry
 
 log = logging.getLogger("kvroute.dispatch")
 
@@ -41,7 +41,7 @@ class Journey:
     def __init__(self, live: LiveConfig, routing: RoutingService, client_auth: ClientAuth, registry: Registry,
                  metrics: ProxyMetrics, pool: UpstreamPool, instance_id: str, observer: Observer | None = None, *,
                  probe: EngineProbe) -> None:
-        # traces, access log, explained decisions (proxy/observability/watch.py)
+        # traces, access log, explained decisions (proxy/observability/request_watch.py)
         self.observer = observer or Observer.from_config(live.proxy)
         self.intake = Intake(live, routing, client_auth, metrics, instance_id)
         stalls = StallWatch(registry, lambda: live.proxy.timeouts,

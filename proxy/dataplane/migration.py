@@ -12,8 +12,8 @@ from typing import Any
 
 import orjson
 
-from proxy.registry import Worker
 from proxy.request import CHAT
+from proxy.workers.registry import Worker
 
 # Engines whose OpenAI server continues a final assistant message (vLLM's continue_final_message); LMDeploy's
 # api_server (turbomind, pytorch, and its /nodes/add registrations) does not.

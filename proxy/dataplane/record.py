@@ -24,11 +24,11 @@ from proxy.dataplane import http
 from proxy.dataplane.classify import ENGINE_ERRORS, RESTARTED, TIMEOUTS, attempt_of
 from proxy.dataplane.outcome import WHOLE, Relayed, Retryable
 from proxy.dataplane.relay import Client
+from proxy.dataplane.retry_policy import Action, Verdict
 from proxy.dataplane.trip import Trip
 from proxy.errors import ProxyError
-from proxy.metrics import ProxyMetrics
-from proxy.registry import Registry, Worker
-from proxy.retry_policy import Action, Verdict
+from proxy.observability.metrics import ProxyMetrics
+from proxy.workers.registry import Registry, Worker
 
 log = logging.getLogger("kvroute.dispatch")
 

@@ -18,8 +18,8 @@ from pydantic import ValidationError
 from proxy import protocol
 from proxy.dataplane import http
 from proxy.protocol import LoadReport
-from proxy.registry import Registry
 from proxy.security.controlauth import presented_token, secret_hash
+from proxy.workers.registry import Registry
 
 _PREFIX, _SUFFIX = b"/workers/", b"/report"
 

@@ -17,9 +17,9 @@ from proxy.dataplane.record import Recorder
 from proxy.dataplane.relay import Client, end_stream
 from proxy.dataplane.trip import Trip
 from proxy.errors import ProxyError
-from proxy.live import LiveConfig
-from proxy.registry import Worker
 from proxy.routing.base import Decision
+from proxy.routing.live import LiveConfig
+from proxy.workers.registry import Worker
 
 log = logging.getLogger("kvroute.dispatch")
 

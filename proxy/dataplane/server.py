@@ -29,11 +29,11 @@ from proxy.dataplane.pool import Endpoint, UpstreamPool
 from proxy.dataplane.reports import answer_report, report_worker_id
 from proxy.dataplane.stall import EngineProbe
 from proxy.errors import ProxyError, shutting_down
-from proxy.live import LiveConfig
-from proxy.metrics import ProxyMetrics
-from proxy.registry import Registry
+from proxy.observability.metrics import ProxyMetrics
+from proxy.routing.live import LiveConfig
 from proxy.routing.service import RoutingService
 from proxy.security.clientauth import ClientAuth
+from proxy.workers.registry import Registry
 
 log = logging.getLogger("kvroute.dataplane")
 
@@ -54,7 +54,7 @@ class DataPlane:
         self.registry = registry
         self.pool = UpstreamPool(self.loop)
         self.journey = Journey(live, routing, client_auth, registry, metrics, self.pool, new_instance_id(),
-                               probe=probe)  # the stall rule's question to a quiet worker (proxy/engine_probe.py)
+                               probe=probe)  # the stall rule's question to a quiet worker (proxy/workers/engine_probe.py)
         self.internal = Endpoint.unix(internal_socket)
         self.internal_timeouts = proxy_cfg.timeouts.model_copy(update={"idle_s": INTERNAL_IDLE_S, "total_s": None})
         self.hop_secret = hop_secret.encode()

@@ -24,11 +24,13 @@ from proxy.dataplane.outcome import WHOLE, Relayed, Retryable
 from proxy.dataplane.relay import Client
 from proxy.dataplane.stage_body import answer_params, decode_body, encode_body, prefill_body, release_body
 from proxy.dataplane.trip import Handoff, Trip
-from proxy.live import LiveConfig
-from proxy.registry import Registry, Worker
+from proxy.request import RoutedRequest
 from proxy.routing.base import Decision
+from proxy.routing.live import LiveConfig
+from proxy.routing.media_ids import with_media_uuids
 from proxy.routing.split import stage_decision
 from proxy.routing.stage_plan import DECODE, ENCODE, PREFILL, StagePlan
+from proxy.workers.registry import Registry, Worker
 
 log = logging.getLogger("kvroute.dispatch")
 
@@ -92,7 +94,7 @@ class Stages:
         trip.watch.worker = label  # the access log names every worker of the request
         routed = trip.routed
         # the encoder's output goes to the worker that computes the prompt: after a prefill, the KV carries it
-        body = decode_body(routed.payload, trip.body, trip.served, handoff.kv_params,
+        body = decode_body(_payload(routed), trip.body, trip.served, handoff.kv_params,
                            handoff.ec_params if handoff.prefill is None else None)
         outcome = await self.attempts.run(client, trip, decision, body, leg=Leg(DECODE, decode_timeouts,
                                                                                 label=http.safe_value(label)))
@@ -114,7 +116,7 @@ class Stages:
         capture = Capture(client.loop)
         routed = trip.routed
         outcome = await self.attempts.run(capture, trip, stage_decision(stage, ENCODE, staged, routed, 0),
-                                          encode_body(routed.payload, trip.served), leg=Leg(ENCODE, timeouts, True))
+                                          encode_body(_payload(routed), trip.served), leg=Leg(ENCODE, timeouts, True))
         params = None
         if isinstance(outcome, Relayed) and outcome.status == 200 and not capture.closed:
             params = answer_params(capture.answer()[1], "ec_transfer_params")
@@ -138,7 +140,7 @@ class Stages:
         capture = Capture(client.loop)
         media = 0 if handoff.ec_params else routed.media_tokens
         outcome = await self.attempts.run(capture, trip, stage_decision(stage, PREFILL, staged, routed, media),
-                                          prefill_body(routed.payload, trip.served, handoff.ec_params),
+                                          prefill_body(_payload(routed), trip.served, handoff.ec_params),
                                           leg=Leg(PREFILL, timeouts, True))
         if isinstance(outcome, Relayed) and capture.closed:
             outcome = Retryable("broken_body", f"a prefill answer larger than {MAX_CAPTURED_BYTES} bytes")
@@ -201,3 +203,9 @@ class Stages:
         status = outcome.status if outcome.status else getattr(outcome, "detail", "no answer")
         log.info("request %s: released the KV %s held, through %s (%s)", rid, prefill.worker_id, worker.worker_id,
                  status)
+
+
+def _payload(routed: RoutedRequest) -> dict[str, Any]:
+    """The request every leg is built from: with the media uuids the whole request's body carries
+    (proxy/routing/media_ids.py), so each leg's engine keys the images' KV as the others do."""
+    return (with_media_uuids(routed.payload) if routed.media_count else None) or routed.payload

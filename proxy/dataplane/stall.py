@@ -8,7 +8,7 @@ Owns the rule and its timing, one lazily re-armed timer and at most one probe pe
        T = SLACK x (decode step + max(prefill backlog, step budget) x prefill s/token), in [stall_min_s, idle_s]
    from the estimator's learnt step times (or the streams' own gap, if longer) and the prompt tokens sent there
    that have no output yet. A stream paused by its own slow client is our silence, not the worker's.
-2. Then one probe of its engine (proxy/engine_probe.py), allowed max(T, PROBE_MIN_S): an answer, or bytes or
+2. Then one probe of its engine (proxy/workers/engine_probe.py), allowed max(T, PROBE_MIN_S): an answer, or bytes or
    progress meanwhile, is life (look again T later); no answer is a stall,
 3. unless no other worker of its model is routable: the last one is never failed, its requests wait under
    their own deadlines (first_byte_s, idle_s, total_s).
@@ -26,8 +26,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 from proxy.config import Timeouts
-from proxy.loadview import STEP_TOKENS_ASSUMED
-from proxy.registry import Registry, Worker
+from proxy.workers.loadview import STEP_TOKENS_ASSUMED
+from proxy.workers.registry import Registry, Worker
 
 log = logging.getLogger("kvroute.dataplane")
 

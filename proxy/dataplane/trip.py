@@ -15,10 +15,10 @@ from proxy.dataplane.head import UpstreamHead
 from proxy.dataplane.incoming import IncomingRequest
 from proxy.dataplane.migration import StreamTracker
 from proxy.dataplane.outcome import Retryable
-from proxy.observability.watch import RequestWatch
-from proxy.registry import Worker
+from proxy.observability.request_watch import RequestWatch
 from proxy.request import RoutedRequest
 from proxy.routing.base import Policy
+from proxy.workers.registry import Worker
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from proxy.api.dashboard import FLEET_SNAPSHOT_KEY
 from proxy.config import ConfigError, parse_config
 from proxy.fleet.gpus import GpuAssignmentError
 from proxy.fleet.reconcile import FleetManager
@@ -103,6 +104,7 @@ async def post_scale(request: web.Request) -> web.Response:
 def add_fleet_routes(app: web.Application, manager: FleetManager) -> None:
     """Mount the fleet routes; call before the app starts."""
     app[FLEET_MANAGER_KEY] = manager
+    app[FLEET_SNAPSHOT_KEY] = manager.snapshot  # the dashboard's fleet panel
     app.router.add_get("/fleet", get_fleet)
     app.router.add_post("/fleet/apply", post_apply)
     app.router.add_post("/fleet/scale", post_scale)

@@ -208,7 +208,7 @@ async def _up(args: argparse.Namespace, path: Path, config: FleetConfig) -> int:
     manager.config_path = path  # `kvroute scale` writes the new count back here (proxy/fleet/scalefile.py)
     manager.start()
     if not args.no_watch:
-        from proxy.fleet.watch import ConfigWatcher
+        from proxy.fleet.config_watch import ConfigWatcher
 
         # A rejected edit shows in `kvroute status` (GET /fleet's last_error) until a later edit applies.
         watcher = ConfigWatcher(path, manager.apply, initial_text=await asyncio.to_thread(path.read_text),

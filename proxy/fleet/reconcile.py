@@ -21,7 +21,7 @@ from proxy.fleet.launcher import PoolSpec, WorkerLaunch, pools_of, spec_fingerpr
 from proxy.fleet.placement.base import Placement
 from proxy.fleet.proxyclient import ProxyControl, record_state
 from proxy.fleet.supervisor import FAILED, READY, Replica, RestartPolicy
-from proxy.liveconfig import merge
+from proxy.routing.live_changes import merge
 
 log = logging.getLogger("kvroute.fleet")
 

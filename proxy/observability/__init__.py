@@ -1,4 +1,4 @@
 """Observability that is not a metric definition: the dashboard's live feed and why a worker is in its state.
 
-Metric definitions stay in proxy/metrics.py; nothing here is on the request path.
+Metric definitions stay in proxy/observability/metrics.py; nothing here is on the request path.
 """

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from proxy.registry import Registry
 from proxy.routing.cache_feedback import CacheFeedback
+from proxy.workers.registry import Registry
 
 
 class CachePredictionMetrics(Collector):

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from proxy.metrics import ProxyMetrics
+from proxy.observability.metrics import ProxyMetrics
 from proxy.observability.worker_states import explain_state
-from proxy.registry import Registry, Worker
+from proxy.workers.registry import Registry, Worker
 
 log = logging.getLogger("kvroute.dashboard")
 

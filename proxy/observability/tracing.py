@@ -2,7 +2,7 @@
 BatchSpanProcessor on its own thread (OTLP/HTTP protobuf, otlp.py, when `proxy.otlp_endpoint` or OTEL_EXPORTER_OTLP_* is set).
 
 Owns the span tree (kvroute.request > route, queue, upstream), W3C traceparent in and out, and the export
-settings. Not when to call it: proxy/observability/watch.py does that for the data plane. Spans are built
+settings. Not when to call it: proxy/observability/request_watch.py does that for the data plane. Spans are built
 as plain tuples (no SDK tracer, locks or attribute checks: the tracer's own path cost ~50 us a span here)
 and queued once per request when it ends; encoding and sending happen on the export thread.
 """

@@ -1,6 +1,6 @@
 """Why a worker is in the state it is in, in words an operator can act on.
 
-Owns only the explanation; the states themselves and their transitions are proxy/registry.py's.
+Owns only the explanation; the states themselves and their transitions are proxy/workers/registry.py's.
 Works on the JSON record GET /workers returns, so `kvroute status` and the dashboard agree.
 """
 

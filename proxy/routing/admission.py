@@ -24,12 +24,12 @@ from typing import Any
 
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError, no_healthy_worker
-from proxy.registry import Registry, Worker
 from proxy.request import RoutedRequest
 from proxy.routing.base import Decision, Policy
 from proxy.routing.candidates import CandidateIndex, Candidates
+from proxy.routing.context_length import context_need, context_refusal
 from proxy.routing.estimator import FleetEstimator
-from proxy.tokens.limits import context_need, context_refusal
+from proxy.workers.registry import Registry, Worker
 
 log = logging.getLogger("kvroute.admission")
 

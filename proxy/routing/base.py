@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from proxy.config import FleetConfig
-from proxy.registry import Worker
 from proxy.request import RoutedRequest
 from proxy.routing.cached_prefix import CachedPrefix
 from proxy.routing.candidates import Candidates
@@ -25,6 +24,7 @@ from proxy.routing.prediction import KvCostPrediction
 from proxy.routing.prefix_index import PrefixIndex
 from proxy.routing.stage_plan import StagePlan
 from proxy.routing_config import PolicyKnobs, RoutingConfig
+from proxy.workers.registry import Worker
 
 # name -> "module:Class". Adding a policy: one new file and one line here.
 POLICIES: dict[str, str] = {

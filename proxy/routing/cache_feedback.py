@@ -22,11 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from proxy.registry import Registry, Worker
 from proxy.request import RoutedRequest
 from proxy.routing.base import Decision
 from proxy.routing.cached_prefix import CachedPrefix
-from proxy.tokens.store import TokenizerStore
+from proxy.routing.tokenizer_store import TokenizerStore
+from proxy.workers.registry import Registry, Worker
 
 log = logging.getLogger("kvroute.cache_feedback")
 

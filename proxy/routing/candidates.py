@@ -23,8 +23,8 @@ import itertools
 from bisect import bisect_left, insort
 from collections.abc import Callable, Collection, Iterable, Sequence
 
-from proxy.loadview import WorkerLoad
-from proxy.registry import Registry, Worker
+from proxy.workers.loadview import WorkerLoad
+from proxy.workers.registry import Registry, Worker
 
 # One sorted entry: (rounded load cost, in flight, member seq, member); seq is unique, so the member never compares.
 Entry = tuple[float, int, int, "Member"]

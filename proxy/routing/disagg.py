@@ -28,10 +28,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from proxy.loadview import LoadSnapshot
 from proxy.pools import Link
 from proxy.routing.estimator import WorkerModel
 from proxy.routing_config import EstimatorConfig
+from proxy.workers.loadview import LoadSnapshot
 
 _PRIORS = EstimatorConfig()  # a view's rates before anything was learnt: the estimator's default priors
 

@@ -22,8 +22,8 @@ from typing import Any
 
 from proxy.kvevents import KvEventBatch, unpack_hashes
 from proxy.protocol import LoadReport
-from proxy.registry import Worker
 from proxy.routing.block_hash import HashScheme
+from proxy.workers.registry import Worker
 
 log = logging.getLogger("kvroute.engine_blocks")
 

@@ -13,7 +13,7 @@ The lowest cost wins (ties: fewest in flight, then random). A cached prefix keep
 worker is fuller, or has more prompt work queued to prefill, than a copy elsewhere would cost; the in-flight
 term gives a hot prefix replicas once its holder's batch slows every decode there. Only the `shortlist` least
 loaded workers (by the cost without the prefix term, the roster's key) and those the prefix index names are
-scored: the minimum is the full scan's (tests/proxy/test_candidates.py). What each term is for and the runs
+scored: the minimum is the full scan's (tests/proxy/routing/test_candidates.py). What each term is for and the runs
 that set each weight: docs/design/kv_aware.md.
 """
 
@@ -23,12 +23,12 @@ import logging
 from bisect import bisect_left
 from collections.abc import Callable, Collection, Sequence
 
-from proxy.loadview import WorkerLoad
-from proxy.registry import Worker
 from proxy.request import RoutedRequest
 from proxy.routing.base import Decision, Policy
 from proxy.routing.candidates import Candidates, Entry, LoadCost, Roster
 from proxy.routing_config import KvAwareConfig, PolicyKnobs
+from proxy.workers.loadview import WorkerLoad
+from proxy.workers.registry import Worker
 
 log = logging.getLogger("kvroute.routing.kv_aware")
 

@@ -22,14 +22,14 @@ import math
 import random
 from collections.abc import Collection, Sequence
 
-from proxy.loadview import LoadSnapshot
-from proxy.registry import Worker
 from proxy.request import RoutedRequest
 from proxy.routing.base import Decision, Policy, PolicyDeps
 from proxy.routing.candidates import Candidates
 from proxy.routing.estimator import WorkerModel
 from proxy.routing.prediction import KvCostPrediction
 from proxy.routing_config import KvCostConfig, PolicyKnobs
+from proxy.workers.loadview import LoadSnapshot
+from proxy.workers.registry import Worker
 
 log = logging.getLogger("kvroute.routing.kv_cost")
 

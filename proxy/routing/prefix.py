@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from proxy.registry import Worker
 from proxy.request import RoutedRequest
 from proxy.routing.base import Decision, Policy
+from proxy.workers.registry import Worker
 
 
 class PrefixPolicy(Policy):

@@ -42,7 +42,7 @@ class PrefixIndex:
     and a tail block leaves the LRU before its head. So match() and insert() find where the
     holders change by bisection instead of walking every block, and insert() refreshes the blocks
     a worker already holds hot (the shared system prompt of most requests) with C-level batch calls.
-    The results are those of the block-by-block walk (tests/proxy/test_prefix_index.py checks both).
+    The results are those of the block-by-block walk (tests/proxy/routing/test_prefix_index.py checks both).
     """
 
     def __init__(self, max_blocks: int = _DEFAULTS.max_blocks, ttl_s: float = _DEFAULTS.ttl_s) -> None:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from proxy.registry import Worker
 from proxy.request import RoutedRequest
 from proxy.routing.base import Decision, Policy, PolicyDeps
 from proxy.routing_config import PolicyKnobs
+from proxy.workers.registry import Worker
 
 
 class RoundRobinPolicy(Policy):

@@ -15,15 +15,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.errors import ProxyError, model_not_found
-from proxy.live import LiveConfig
-from proxy.loadview import Dispatch
-from proxy.registry import Registry
 from proxy.request import RoutedRequest
 from proxy.routing.admission import AdmissionController
 from proxy.routing.base import Decision, Policy
 from proxy.routing.cache_feedback import AnswerUsage, CacheFeedback, Expectation
+from proxy.routing.live import LiveConfig
 from proxy.routing.split import SplitFleet
-from proxy.tokens.store import TokenizerStore
+from proxy.routing.tokenizer_store import TokenizerStore
+from proxy.workers.loadview import Dispatch
+from proxy.workers.registry import Registry
 
 
 @dataclass(slots=True)

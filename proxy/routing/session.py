@@ -9,9 +9,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from proxy.registry import Worker
 from proxy.request import RoutedRequest
 from proxy.routing.base import Decision, Policy
+from proxy.workers.registry import Worker
 
 
 def _weight(session_key: str, worker_id: str) -> int:

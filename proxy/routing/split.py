@@ -16,16 +16,16 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from proxy.live import LiveConfig
 from proxy.pools import link as link_preset
-from proxy.registry import Registry, Worker, WorkerState
 from proxy.request import CHAT, RoutedRequest
 from proxy.routing.base import Decision, Policy, PolicyDeps
 from proxy.routing.disagg import LinkView, Plan, RequestView, WorkerView, plan, view_of
 from proxy.routing.kv_cost import predict
+from proxy.routing.live import LiveConfig
 from proxy.routing.prediction import KvCostPrediction
 from proxy.routing.stage_plan import ENCODE, PREFILL, Stage, StagePlan
 from proxy.routing_config import DisaggConfig, PolicyKnobs
+from proxy.workers.registry import Registry, Worker, WorkerState
 
 log = logging.getLogger("kvroute.routing.split")
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proxy.registry import Worker
 from proxy.routing.disagg import Plan
+from proxy.workers.registry import Worker
 
 PREFILL, DECODE, ENCODE = "prefill", "decode", "encode"  # a stage Decision's reason: which leg it is
 

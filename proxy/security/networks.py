@@ -18,9 +18,6 @@ from yarl import URL
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
-# Loopback and the private ranges: where a fleet's workers live unless the operator says otherwise.
-DEFAULT_WORKER_NETWORKS: tuple[str, ...] = ("127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12",
-                                            "192.168.0.0/16", "fc00::/7")
 RESOLVE_TIMEOUT_S = 2.0
 
 

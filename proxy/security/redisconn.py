@@ -1,7 +1,7 @@
 """Connecting to Redis as configured: the URL, and beside it a password, an ACL user and TLS options.
 
 Owns building a client from `state` (proxy/config.py's StateConfig); not what is kept there
-(proxy/state.py, the rate limiter in clientauth.py) nor how secrets kept there are sealed (statecrypt.py).
+(proxy/workers/redis_mirror.py, the rate limiter in clientauth.py) nor how secrets kept there are sealed (statecrypt.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A prompt as the engine tokenizes it: its token ids, its count, and where each media item sits.
 
 Owns these result types and when they are computed: `PromptTokens` counts at once when routing needs the count
-(proxy/tokens/store.py decides), else on first use. No tokenizer here: the counting is counter.py's.
+(proxy/routing/tokenizer_store.py decides), else on first use. No tokenizer here: the counting is counter.py's.
 """
 
 from __future__ import annotations

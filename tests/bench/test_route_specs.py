@@ -84,7 +84,7 @@ def test_a_knob_name_is_its_config_key_in_the_routes_own_policy_first():
 
 @pytest.mark.parametrize(("spec", "message"), [
     ("kv_aware@prefix_wieght=0", r"unknown knob 'prefix_wieght'"),
-    ("round_robin@shortlist=4", r"'shortlist' .* is a key of kv_aware, kv_cost: say which"),
+    ("round_robin@shortlist=4", r"'shortlist' .* is a key of kv_aware, kv_cost, disagg: say which"),
     ("kv_aware@prefix_weight=-1", r"proxy\.routing\.kv_aware\.prefix_weight \(line 1\): must be >= 0"),
     ("kv_aware@kv_cost.shortlist_over=4", r"proxy\.routing\.kv_cost\.shortlist_over \(line 1\): unknown key"),
 ])

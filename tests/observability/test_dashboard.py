@@ -12,11 +12,11 @@ from aiohttp.test_utils import TestClient, TestServer
 from proxy.api.dashboard import FEED_KEY
 from proxy.app import METRICS_KEY, REGISTRY_KEY, build_app
 from proxy.config import parse_config
-from proxy.metrics import ProxyMetrics
 from proxy.observability.dashboard_feed import DashboardFeed, _quantile
+from proxy.observability.metrics import ProxyMetrics
 from proxy.observability.worker_states import explain_state
 from proxy.protocol import LoadReport, WorkerRegistration
-from proxy.registry import Registry
+from proxy.workers.registry import Registry
 
 ADMIN_TOKEN = "s3cret-admin-token"
 

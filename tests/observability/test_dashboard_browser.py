@@ -17,11 +17,11 @@ import httpx
 from aiohttp import web
 
 from proxy.api import dashboard
-from proxy.metrics import ProxyMetrics
+from proxy.observability.metrics import ProxyMetrics
 from proxy.protocol import WorkerRegistration
-from proxy.registry import Registry
+from proxy.workers.registry import Registry
 from tests.observability.cdp import Browser
-from tests.proxy.fleet import Fleet
+from tests.support.fleet import Fleet
 from tests.support.procs import REPO, admin_headers, free_port, wait_until
 
 MODEL = "qwen3-vl-demo"

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from proxy.observability.decision import DebugGate, explain
-from tests.proxy.fleet import Fleet
+from tests.support.fleet import Fleet
 from tests.support.procs import free_port, wait_http_ok, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,7 +39,7 @@ def _start(fleet: Fleet, procs) -> None:
     workers = []
     for _ in range(3):
         port = free_port()
-        procs.start([sys.executable, "-m", "tests.proxy.raw_upstream", str(port)], name="raw-upstream")
+        procs.start([sys.executable, "-m", "tests.support.raw_upstream", str(port)], name="raw-upstream")
         workers.append(f"http://127.0.0.1:{port}")
     for url in workers:
         wait_http_ok(url + "/health", timeout=20)

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from tests.observability.test_tracing import Collector
-from tests.proxy.fleet import Fleet
-from tests.proxy.test_migration import MESSAGES, stream_and_kill
+from tests.proxy.dataplane.test_migration import MESSAGES, stream_and_kill
+from tests.support.fleet import Fleet
 from tests.support.procs import wait_until
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from proxy.observability.tracing import Tracing, otlp_traces_url, parse_traceparent, tracing_from_settings
-from tests.proxy.fleet import Fleet
+from tests.support.fleet import Fleet
 from tests.support.procs import free_port, wait_http_ok, wait_until
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -80,7 +80,7 @@ def test_one_request_through_the_data_plane_makes_one_trace_under_the_clients(fl
     workers = []
     for _ in range(2):
         port = free_port()
-        procs.start([sys.executable, "-m", "tests.proxy.raw_upstream", str(port)], name="raw-upstream")
+        procs.start([sys.executable, "-m", "tests.support.raw_upstream", str(port)], name="raw-upstream")
         workers.append(f"http://127.0.0.1:{port}")
     for url in workers:
         wait_http_ok(url + "/health", timeout=20)
@@ -210,7 +210,7 @@ async def test_a_pick_that_waits_is_marked_held_and_one_that_does_not_is_not():
     import asyncio
 
     from proxy.observability.decision import DebugGate
-    from proxy.observability.watch import Observer
+    from proxy.observability.request_watch import Observer
 
     tracing, exporter = _tracing()
     observer = Observer(tracing, None, DebugGate(None, False))

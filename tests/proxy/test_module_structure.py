@@ -1,5 +1,6 @@
 """The code's shape, as the team's rules state it: dependency arrows one way (no import cycle in proxy/ or
-backends/, imports under TYPE_CHECKING included) and no module over 450 lines there."""
+backends/, imports under TYPE_CHECKING included; proxy/'s folders in one order of layers, each importing only
+from its own layer and those below) and no module over 450 lines there."""
 
 from __future__ import annotations
 
@@ -11,6 +12,23 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("proxy", "backends")
 MAX_LINES = 450
+
+# proxy/'s layers, lowest first: a module imports from its own layer and those below, never above. The
+# vocabulary is what every layer speaks (config, wire formats, errors); each later entry is a folder or, at the
+# top, an entry point.
+LAYERS = (
+    {"errors", "engine_env", "kvevents", "identifiers", "routing_config", "protocol", "pools", "config", "gctuning",
+     "promtext"},
+    {"tokens"},         # counting prompts as the engines do (a library: nothing of the proxy's state)
+    {"request"},        # one parsed client request
+    {"security"},       # who may call, what input may hold, secrets at rest
+    {"workers"},        # registry, load view, breaker, health monitor, the Redis mirror
+    {"routing"},        # policies, admission, the decision service, the live config
+    {"observability"},  # metrics, traces, access log, the dashboard's feed
+    {"dataplane"},      # the /v1 server and each request's journey
+    {"api"},            # control plane, ops, dashboard routes
+    {"app"}, {"cmd_proxy"}, {"fleet"}, {"cli"},
+)
 
 
 def _modules(package: str) -> dict[str, Path]:
@@ -70,6 +88,21 @@ def test_no_module_is_longer_than_the_limit(package):
     long = {str(p.relative_to(REPO)): n for p in _modules(package).values()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    unit = parts[1] if len(parts) > 1 else ""
+    return next((i for i, layer in enumerate(LAYERS) if unit in layer), -1)
+
+
+def test_every_import_in_proxy_goes_down_the_layers_or_stays_in_its_own():
+    modules = _modules("proxy")
+    unplaced = sorted(m for m in modules if m != "proxy" and _layer(m) < 0)
+    assert unplaced == [], "place these in LAYERS"
+    upward = sorted(f"{m} -> {i}" for m, path in modules.items() if m != "proxy"
+                    for i in _imports(path, modules) if i != "proxy" and _layer(i) > _layer(m))
+    assert upward == []
 
 
 def test_the_check_finds_a_cycle_hidden_behind_type_checking(tmp_path):

@@ -27,8 +27,8 @@ from backends.sim.tokens import IMAGE_PAD, chat_prompt, public_token_ids
 from proxy.protocol import WorkerRegistration
 from proxy.routing.block_hash import HashScheme, block_hashes
 from proxy.routing.media_ids import media_uuid
-from tests.proxy.fleet import Fleet
 from tests.sim.conftest import png_data_url, read_state
+from tests.support.fleet import Fleet
 from tests.support.procs import wait_until
 
 pytestmark = pytest.mark.timeout(120)
