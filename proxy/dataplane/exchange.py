@@ -367,12 +367,7 @@ class Exchange:
         """The worker's response is complete: answer the client if not yet done, free the connection."""
         state = self.state
         keep = self.keep_alive and not self.close_delimited and not self.head_request
-        self.state = _DONE
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        conn = self.conn
-        self.conn = None
+        conn = self._detach()
         if conn is not None:
             if keep:
                 conn.pool.release(conn)
@@ -440,11 +435,15 @@ class Exchange:
 
     def _stop(self) -> None:
         """No more of this exchange: the timer goes, the upstream connection closes (the worker sees it)."""
+        conn = self._detach()
+        if conn is not None:
+            conn.close()
+
+    def _detach(self) -> UpstreamConnection | None:
+        """Done: stop the timer and let go of the upstream connection, returned for the caller to keep or close."""
         self.state = _DONE
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        conn = self.conn
-        self.conn = None
-        if conn is not None:
-            conn.close()
+        conn, self.conn = self.conn, None
+        return conn

@@ -10,11 +10,12 @@ without asking first. Not credentials (controlauth.py) and not which route needs
 from __future__ import annotations
 
 import functools
-import ipaddress
 import socket
 from collections.abc import Iterable
 
 from yarl import URL
+
+from proxy.security.peer import ip_of
 
 # The only content type a state-changing control route takes. text/plain, forms and multipart are what a
 # browser sends to another origin without a CORS preflight; this proxy answers no preflight.
@@ -52,12 +53,9 @@ def _split_host(value: str) -> tuple[str, int | None] | None:
 @functools.lru_cache(maxsize=256)
 def _is_local_address(host: str) -> bool:
     """Whether `host` is an IP address of this machine: loopback, or one a socket can bind here."""
-    try:
-        addr = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
+    addr = ip_of(host)
+    if addr is None:
         return False
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
     if addr.is_loopback:
         return True
     if addr.is_unspecified or addr.is_multicast:

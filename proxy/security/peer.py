@@ -53,15 +53,21 @@ def client_host(request: web.Request) -> str:
     return request.remote or ""
 
 
-def is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1 and IPv4-mapped loopback; anything unparsable (a unix peer, "") is not."""
+def ip_of(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """`host` as an IP address (a zone id dropped, an IPv4-mapped IPv6 address as IPv4); None if it is not one."""
     try:
         addr = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
-        return False
+        return None
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return addr.is_loopback
+        return addr.ipv4_mapped
+    return addr
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 and IPv4-mapped loopback; anything unparsable (a unix peer, "") is not."""
+    addr = ip_of(host)
+    return addr is not None and addr.is_loopback
 
 
 def is_loopback_bind(host: str) -> bool:
