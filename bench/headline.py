@@ -186,6 +186,30 @@ def chaos_table(data: dict[str, Any]) -> str:
 
 
 # ---- docs/performance.md ---------------------------------------------------------------------------
+def _first_table(render_md: Callable[[Any], str]) -> Callable[[Any], str]:
+    """The first markdown table of what a bench's own renderer writes for a result (its summary table)."""
+    def table(data: Any) -> str:
+        lines, out = render_md(data).splitlines(), []
+        for line in lines:
+            if line.startswith("|"):
+                out.append(line)
+            elif out:
+                break
+        return "\n".join(out)
+    return table
+
+
+def _vllm_kv_table(data: Any) -> str:
+    from bench.vllm_kv import render
+    return _first_table(render)(data)
+
+
+def _disagg_tables(data: Any) -> str:
+    from bench.disagg_report import render
+    text = render(data)
+    return text[text.index("\n## "):].strip().replace("## ", "#### ")
+
+
 @dataclass(frozen=True)
 class Source:
     stem: str                                  # bench/results/<stem>.json (and .md)
@@ -266,6 +290,20 @@ SECTIONS: tuple[tuple[str, str, tuple[Source, ...]], ...] = (
                "requests into the default prefix index; a real proxy holding streams open over 4 slow sims.",
                scale_tables),
     )),
+    ("Real engines", "", (
+        Source(VLLM_KV, "Real vLLM under KV pressure",
+               "`kvroute bench vllm-kv`: two vLLM CPU workers of the tiny Qwen3-VL, 12 MiB of KV each, 240 streamed "
+               "chats per cell at concurrency 24 over 6 shared 1000-token system prompts; kvroute and sglang-router "
+               "over the same engines in each repeat; mean (min-max).", _vllm_kv_table),
+        Source("2026-12-03-vllm-kv-liveness", "The same, with liveness from the engines' progress (before cache "
+               "feedback)", "", _vllm_kv_table),
+        Source("2026-12-03-vllm-kv-baseline-eb90ee7", "The same, before liveness and feedback (eb90ee7)", "",
+               _vllm_kv_table),
+    )),
+    ("Disaggregated serving", "`kvroute bench disagg`: 8 H100 sims; aggregated, fixed prefill/decode splits, "
+     "kvroute's conditional disaggregation and vllm-router's PD mode over the same sims; 3 repeats.", (
+        Source("2026-12-03-disagg", "Prefill-heavy prompts", "", _disagg_tables),
+    )),
     ("Failures", "", (
         Source("2026-12-01-chaos", "Chaos", "`kvroute bench chaos --state redis`: workers SIGKILLed and "
                "restarted, frozen with SIGSTOP, one failing 20% of requests, redis-server restarted, under load.",
@@ -338,7 +376,7 @@ def _overhead_summary(results: Path) -> str:
     workloads = list(dict.fromkeys(wl for wl, _ in cells))
     rows = [[route] + [_fig(f"{_median([x for x in cells[(wl, route)]['cpu'] if x]):.0f}", stem)
                        if (wl, route) in cells else "-" for wl in workloads]
-            for route in dict.fromkeys(route for _, route in cells)]
+            for route in dict.fromkeys(route for _, route in cells) if not route.endswith(":round_robin")]
     return md_table(["router CPU us per request (median of 3)", *workloads], rows)
 
 
@@ -361,6 +399,27 @@ def _vllm_kv_summary(results: Path) -> str:
                      "makespan s", "TTFT p99 ms"], rows)
 
 
+
+
+
+def _exact_tokens_summary(results: Path) -> str:
+    """Before and after exact counting, CPU per request: both runs' `stream` cells and the first run's `long`."""
+    from bench.overhead import _median
+
+    runs = ((EXACT_TOKENS, "stream", "stream"), (EXACT_TOKENS + "-stream-ab", "stream", "stream, again (4 repeats)"),
+            (EXACT_TOKENS, "long", "long"))
+    cells = {stem: _overhead_cells(_load(stem, results)) for stem in dict.fromkeys(stem for stem, _, _ in runs)}
+    rows = []
+    for before, label in ((False, "kvroute, exact tokens"), (True, "kvroute before (estimates, 5c9f451)")):
+        row = [label]
+        for stem, workload, _ in runs:
+            cpu = next((c["cpu"] for (wl, route), c in cells[stem].items()
+                        if wl == workload and ("@tree=" in route) == before), [])
+            row.append(_fig(f"{_median([x for x in cpu if x]):.0f}", stem) if cpu else "-")
+        rows.append(row)
+    return md_table(["router CPU us per request (median)", *(title for _, _, title in runs)], rows)
+
+
 def _decision_summary(results: Path) -> str:
     stem = "2026-12-02-decision"
     data = _load(stem, results)["rows"]
@@ -377,12 +436,17 @@ def readme_block(results: Path = RESULTS_DIR) -> str:
         "**Routing quality against the peer routers** (4 sim workers, 1000 requests per cell, mean of 3 repeats; "
         "a peer that failed or refused requests in a family is left out there):", "",
         _quality_summary(results), "",
-        "**Proxy overhead** (4 fast sim workers, the three workloads of `kvroute bench overhead`):", "",
+        "**Proxy overhead** (4 fast sim workers, the three workloads of `kvroute bench overhead`; round-robin peers in "
+        "docs/performance.md):", "",
         _overhead_summary(results), "",
         "**Real vLLM under KV pressure** (two vLLM CPU workers of the tiny Qwen3-VL with 12 MiB of KV each, 240 "
         "streamed chats at concurrency 24 over 6 shared 1000-token system prompts, 3 repeats; `kvroute bench "
         "vllm-kv`):", "",
         _vllm_kv_summary(results), "",
+        "**Exact prompt tokens** (CPU per request, the sims handing kvroute the tiny Qwen3-VL's tokenizer; `stream`: "
+        "~240-token prompts, counted on first use; `long`: ~10.3k-token prompts, each new, counted before routing; "
+        "before and after on one fleet in each run):", "",
+        _exact_tokens_summary(results), "",
         "**Decision time** (`RoutingService.pick` in-process, one run):", "",
         _decision_summary(results), "", END])
 
