@@ -6,6 +6,7 @@ scraping the workers' /metrics; it does not generate load or format results.
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 import time
@@ -13,11 +14,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.peers import RunningRouter, _get, spawn, start_peer, stop_process_group, wait_ready
+from bench.peers import KvEventSources, RunningRouter, _get, spawn, start_peer, stop_process_group, wait_ready
 from bench.procstat import ProcessTree
 from proxy import promtext
 
 KVROUTE = [sys.executable, "-m", "proxy.cli"]
+
+
+# routes (kind, policy) whose router reads the engines' KV-cache events: their sims publish them
+KV_EVENT_ROUTES = {("vllm-router", "kv_aware")}
+
+
+def reads_kv_events(kind: str, policy: str) -> bool:
+    return (kind, policy) in KV_EVENT_ROUTES
 
 
 def free_port() -> int:
@@ -41,7 +50,9 @@ class Fleet:
     log_dir: Path
     workers: list[SimWorkerSpec]
     proxy_port: int = field(default_factory=free_port)
+    kv_events: bool = False  # each sim also publishes its KV-cache events (vLLM's --kv-events-config)
     urls: list[str] = field(default_factory=list)
+    event_endpoints: list[tuple[str, str]] = field(default_factory=list)  # per sim: (events, replay), to connect to
     _procs: list = field(default_factory=list)
 
     @property
@@ -54,10 +65,32 @@ class Fleet:
             args = [*KVROUTE, "worker", "--engine", "sim", "--port", str(port), "--served-model-name", w.model,
                     "--preset", w.preset, "--time-scale", str(w.time_scale), "--seed", str(i),
                     "--proxy-url", self.proxy_url, "--worker-id", f"sim-{i}", "--log-level", "warning", *w.extra]
+            if self.kv_events:
+                args += ["--kv-events-config", self.publisher_config()]
             self._procs.append(spawn(args, self.log_dir / f"sim-{i}.log"))
             self.urls.append(f"http://127.0.0.1:{port}")
         for i, (url, proc) in enumerate(zip(self.urls, self._procs, strict=True)):
             wait_ready(url, proc, self.log_dir / f"sim-{i}.log", timeout=timeout)
+
+    def publisher_config(self) -> str:
+        """One sim's --kv-events-config on two free ports, bound on every interface (vLLM binds a wildcard host;
+        a bound SUB does not hear a connecting PUB with this machine's libzmq); vLLM's default topic, ""."""
+        events, replay = free_port(), free_port()
+        self.event_endpoints.append((f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}"))
+        return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
+                           "replay_endpoint": f"tcp://*:{replay}", "topic": ""})
+
+    def kv_event_sources(self) -> KvEventSources:
+        """Where the sims publish their KV-cache events, for a router that reads them (needs kv_events=True)."""
+        from backends.sim.presets import get_preset
+
+        if not self.kv_events:
+            raise ValueError("this fleet's sims publish no KV-cache events (Fleet(kv_events=True))")
+        sizes = {get_preset(w.preset).block_size for w in self.workers}
+        if len(sizes) != 1:
+            raise ValueError(f"one KV block size for the fleet's event sources, not {sorted(sizes)}")
+        return KvEventSources(dict(zip(self.urls, self.event_endpoints, strict=True)), sizes.pop(),
+                              "+".join(sorted({w.model for w in self.workers})))
 
     def stop(self) -> None:
         for proc in self._procs:
@@ -212,6 +245,7 @@ def start_router(kind: str, policy: str, fleet: Fleet) -> RunningRouter:
         return start_oracle(fleet, policy)
     if kind == BARE_RELAY:
         return start_bench_router(fleet, "bench.bare_relay", BARE_RELAY, path="/health")
-    return start_peer(kind, policy, fleet.urls, free_port(), free_port(), fleet.log_dir)
+    return start_peer(kind, policy, fleet.urls, free_port(), free_port(), fleet.log_dir,
+                      fleet.kv_event_sources() if reads_kv_events(kind, policy) else None)
 
 

@@ -45,7 +45,7 @@ class PeerSpec:
 def peer_specs() -> dict[str, PeerSpec]:
     return {
         "vllm-router": PeerSpec("vllm-router", "vllm-router", "0.1.17", [["vllm-router==0.1.17"]],
-                                ("round_robin", "cache_aware", "power_of_two")),
+                                ("round_robin", "cache_aware", "power_of_two", "kv_aware")),
         "sglang-router": PeerSpec("sglang-router", "sglang-router", "0.3.2", [["sglang-router==0.3.2"]],
                                   ("round_robin", "cache_aware", "power_of_two")),
         "lmdeploy": PeerSpec("lmdeploy", "lmdeploy", "0.18.0",
@@ -92,6 +92,23 @@ def ensure_installed(name: str, log=print) -> Path:
         raise RuntimeError(f"{name}: installed version {got}, expected {spec.version}")
     (venv / ".ready").write_text(spec.version)
     return venv
+
+
+@dataclass(frozen=True)
+class KvEventSources:
+    """Where each worker publishes its KV-cache events, for vllm-router's kv_aware policy (bench/fleet.py starts
+    the sims with them). The topic is vLLM's default, "": vllm-router's static sources cannot name another."""
+
+    endpoints: dict[str, tuple[str, str]]  # worker URL -> (events, replay) endpoint, as the router connects
+    block_size: int
+    model: str  # the identity vllm-router files the workers' blocks under (a label: requests are not matched to it)
+
+    def router_args(self) -> list[str]:
+        """vllm-router's flags: one --kv-event-source and --kv-event-replay-source per worker."""
+        args: list[str] = []
+        for url, (events, replay) in self.endpoints.items():
+            args += ["--kv-event-source", f"{url}={events}", "--kv-event-replay-source", f"{url}={replay}"]
+        return [*args, "--kv-event-block-size", str(self.block_size), "--kv-event-model", self.model]
 
 
 @dataclass
@@ -184,18 +201,35 @@ def wait_ready(url: str, popen: subprocess.Popen[bytes], log_path: Path, timeout
     raise TimeoutError(f"{log_path.stem} not ready at {url}{path} after {timeout}s:\n{log_path.read_text()[-2000:]}")
 
 
+def check_kv_events(name: str, policy: str, kv_events: KvEventSources | None) -> None:
+    """KV-event sources go with vllm-router:kv_aware, and only there (no other peer here reads them)."""
+    if (name == "vllm-router" and policy == "kv_aware") != (kv_events is not None):
+        raise ValueError(f"{name}:{policy}: KV-event sources go with vllm-router:kv_aware only "
+                         f"({'given' if kv_events else 'none given'})")
+
+
+def router_command(venv: Path, name: str, policy: str, worker_urls: list[str], port: int, metrics_port: int,
+                   kv_events: KvEventSources | None = None) -> list[str]:
+    """vllm-router's or sglang-router's command line; vllm-router's kv_aware also gets the workers' event sources."""
+    check_kv_events(name, policy, kv_events)
+    exe = [str(venv / "bin" / "vllm-router")] if name == "vllm-router" else \
+        [str(venv / "bin" / "sglang-router"), "launch"]
+    return exe + ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
+                  "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+                  "--log-level", "warning" if name == "vllm-router" else "warn",
+                  *(kv_events.router_args() if kv_events else ())]
+
+
 def start_peer(name: str, policy: str, worker_urls: list[str], port: int, metrics_port: int,
-               log_dir: Path) -> RunningRouter:
-    """Start one peer router with `policy` over `worker_urls` on 127.0.0.1:port; wait until it routes."""
+               log_dir: Path, kv_events: KvEventSources | None = None) -> RunningRouter:
+    """Start one peer router with `policy` over `worker_urls` on 127.0.0.1:port; wait until it routes.
+    `kv_events`: where the workers publish their KV-cache events (vllm-router:kv_aware needs them)."""
+    check_kv_events(name, policy, kv_events)
     venv = ensure_installed(name)
     url = f"http://127.0.0.1:{port}"
     log_path = log_dir / f"{name}-{policy}-{port}.log"
     if name in ("vllm-router", "sglang-router"):
-        exe = [str(venv / "bin" / "vllm-router")] if name == "vllm-router" else \
-            [str(venv / "bin" / "sglang-router"), "launch"]
-        args = exe + ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
-                      "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-                      "--log-level", "warning" if name == "vllm-router" else "warn"]
+        args = router_command(venv, name, policy, worker_urls, port, metrics_port, kv_events)
         popen = spawn(args, log_path)
         wait_ready(url, popen, log_path, path="/v1/models")
     elif name == "lmdeploy":

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.sim.presets import get_preset
-from bench.fleet import Fleet, SimWorkerSpec, default_policy, start_router
+from bench.fleet import Fleet, SimWorkerSpec, default_policy, reads_kv_events, start_router
 from bench.loadgen import LoadGenerator, RunResult, summarize
 from bench.quality_report import headline, render
 from bench.report import cdf, environment_note, fmt, ms, results_path, write_json
@@ -61,6 +61,13 @@ def fleet_specs(w: Workload | TraceWorkload, workers: int, time_scale: float, pr
             for m in w.worker_models_for(workers)]
 
 
+def cell_fleet(args: argparse.Namespace, w: Workload | TraceWorkload, route: str, log_dir: Path) -> Fleet:
+    """A fresh fleet for one route; its sims publish KV-cache events only for a router that reads them."""
+    kind, _, policy = route.partition(":")
+    return Fleet(log_dir, fleet_specs(w, args.workers, args.time_scale, args.preset, args.kv_tokens),
+                 kv_events=reads_kv_events(kind, policy))
+
+
 def direct_targets(fleet: Fleet) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for spec, url in zip(fleet.workers, fleet.urls, strict=True):
@@ -93,7 +100,7 @@ def run_cell(args: argparse.Namespace, w: Workload | TraceWorkload, route: str, 
              log_dir: Path) -> dict[str, Any]:
     """One (route, load) run on a fresh fleet; times in simulated seconds."""
     kind, _, policy = route.partition(":")
-    with Fleet(log_dir, fleet_specs(w, args.workers, args.time_scale, args.preset, args.kv_tokens)) as fleet:
+    with cell_fleet(args, w, route, log_dir) as fleet:
         router = None if kind == "direct" else start_router(kind, policy, fleet)
         try:
             target: Any = direct_targets(fleet) if router is None else router.url
@@ -156,7 +163,7 @@ def calibrate(args: argparse.Namespace, w: Workload | TraceWorkload, log_dir: Pa
 
 def _calibrate_one(args: argparse.Namespace, w: Workload | TraceWorkload, route: str, log_dir: Path) -> float:
     kind, _, policy = route.partition(":")
-    with Fleet(log_dir, fleet_specs(w, args.workers, args.time_scale, args.preset, args.kv_tokens)) as fleet:
+    with cell_fleet(args, w, route, log_dir) as fleet:
         router = None if kind == "direct" else start_router(kind, policy, fleet)
         try:
             target: Any = direct_targets(fleet) if router is None else router.url

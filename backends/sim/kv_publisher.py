@@ -45,22 +45,24 @@ MAX_TRACKED_REQUESTS = 4096
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
+# Fields and defaults as vllm/distributed/kv_events.py has them: lora_id, medium and lora_name have no default,
+# so they are always on the wire (vllm-router's decoder refuses a BlockStored without them); group_idx is sent.
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
-    lora_id: int | None = None
-    medium: str | None = "GPU"
-    lora_name: str | None = None
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
     extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = 0
+    group_idx: int | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True):
     block_hashes: list[int]
-    medium: str | None = "GPU"
-    group_idx: int | None = 0
+    medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True):
@@ -157,12 +159,13 @@ class SimKvPublisher:
             if last.extra_keys is not None or extra is not None:
                 last.extra_keys = (last.extra_keys or [None] * (len(last.block_hashes) - 1)) + [extra]
             return
-        self._pending.append(BlockStored([event], parent, tokens, size, extra_keys=[extra] if extra else None))
+        self._pending.append(BlockStored([event], parent, tokens, size, None, "GPU", None,
+                                          extra_keys=[extra] if extra else None, group_idx=0))
 
     def evicted(self, block_hash: int) -> None:
         event = self._event_of.pop(block_hash, None)
         if event is not None:
-            self._pending.append(BlockRemoved([event]))
+            self._pending.append(BlockRemoved([event], "GPU", group_idx=0))
 
     def reset(self) -> None:
         self._event_of.clear()

@@ -1,5 +1,5 @@
 """How the benchmarks turn a kvroute route spec into a proxy command: knobs (a config file, process settings),
-the default policy, other trees."""
+the default policy, other trees; and a peer route into the peer's command (vllm-router:kv_aware's event sources)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from bench.fleet import default_policy, kvroute_command, resolve_default
+from backends.sim.kv_publisher import binds, kv_event_configs
+from bench.fleet import (
+    Fleet,
+    SimWorkerSpec,
+    default_policy,
+    kvroute_command,
+    reads_kv_events,
+    resolve_default,
+)
+from bench.peers import router_command
 from bench.route_spec import parse_route_spec
 from proxy.config import load_config
 
@@ -106,3 +115,28 @@ def test_a_tree_that_is_not_a_kvroute_checkout_is_refused(tmp_path):
         kvroute_command(f"kv_aware@tree={tmp_path}", 8123, tmp_path / "logs")
     _, argv = kvroute_command("kv_aware", 8123, tmp_path / "logs")
     assert argv[:3] == [sys.executable, "-m", "proxy.cli"]  # without the knob: this repository's proxy
+
+
+def test_vllm_router_kv_aware_connects_to_where_each_sim_publishes_and_no_other_route_gets_sources(tmp_path):
+    fleet = Fleet(tmp_path, [SimWorkerSpec(model="m"), SimWorkerSpec(model="m")], kv_events=True)
+    configs = [kv_event_configs(fleet.publisher_config())[0] for _ in fleet.workers]  # what Fleet.start gives each
+    fleet.urls = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+    sources = fleet.kv_event_sources()
+    argv = router_command(Path("/venv"), "vllm-router", "kv_aware", fleet.urls, 9000, 9100, sources)
+
+    def flags(name: str) -> list[str]:
+        return [argv[i + 1] for i, a in enumerate(argv) if a == name]
+
+    for url, config, (events, replay) in zip(fleet.urls, configs, fleet.event_endpoints, strict=True):
+        assert binds(config["endpoint"]) and config["topic"] == ""  # the sim binds; vllm-router hears topic "" only
+        assert events.rpartition(":")[2] == config["endpoint"].rpartition(":")[2]
+        assert replay.rpartition(":")[2] == config["replay_endpoint"].rpartition(":")[2]
+        assert f"{url}={events}" in flags("--kv-event-source")
+        assert f"{url}={replay}" in flags("--kv-event-replay-source")
+    assert flags("--kv-event-block-size") == ["16"] and flags("--kv-event-model") == ["m"]
+    assert reads_kv_events("vllm-router", "kv_aware") and not reads_kv_events("vllm-router", "cache_aware")
+    assert "--kv-event-source" not in router_command(Path("/venv"), "vllm-router", "cache_aware", fleet.urls, 1, 2)
+    with pytest.raises(ValueError, match="kv_aware only"):
+        router_command(Path("/venv"), "vllm-router", "kv_aware", fleet.urls, 1, 2)  # no sources: refused
+    with pytest.raises(ValueError, match="kv_aware only"):
+        router_command(Path("/venv"), "sglang-router", "cache_aware", fleet.urls, 1, 2, sources)
