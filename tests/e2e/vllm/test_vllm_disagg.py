@@ -94,8 +94,9 @@ def test_both_pools_start_and_register_with_their_roles_and_connector(fleet):
     assert workers["tiny-prefill-0"]["labels"]["kv_role"] == "kv_producer"
     assert workers["tiny-decode-0"]["labels"]["kv_role"] == "kv_consumer"
     assert {w["labels"]["kv_connector"] for w in workers.values()} == {"ExampleConnector"}
-    pools = fleet.fleet()["models"][0]["pools"]
-    assert [(p["role"], p["ready"]) for p in pools] == [("prefill", 1), ("decode", 1)]
+    # the fleet manager counts a replica ready once its own check passes, a moment after it registered
+    wait_until(lambda: [(p["role"], p["ready"]) for p in fleet.fleet()["models"][0]["pools"]]
+               == [("prefill", 1), ("decode", 1)], 60, what="both pools ready in the fleet manager")
 
 
 @pytest.mark.parametrize("kind", ["text", "image"])
