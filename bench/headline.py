@@ -303,6 +303,9 @@ SECTIONS: tuple[tuple[str, str, tuple[Source, ...]], ...] = (
     ("Disaggregated serving", "`kvroute bench disagg`: 8 H100 sims; aggregated, fixed prefill/decode splits, "
      "kvroute's conditional disaggregation and vllm-router's PD mode over the same sims; 3 repeats.", (
         Source("2026-12-03-disagg", "Prefill-heavy prompts", "", _disagg_tables),
+        Source("2026-12-03-disagg-mixed-multiturn", "Mixed with images, and multi-turn chats",
+               "Goodput here is the offered rate times the share of requests within the SLO: where every route "
+               "meets the SLO at the offered rate it is that rate for all of them.", _disagg_tables),
     )),
     ("Failures", "", (
         Source("2026-12-01-chaos", "Chaos", "`kvroute bench chaos --state redis`: workers SIGKILLed and "
