@@ -4,11 +4,22 @@ Owns the matrix (family x route x repeat) and each cell's measurement. A route i
 it: `aggregated` (8 x both, kvroute's default policy), `kvroute-split:2p6d` (2 prefill + 6 decode workers, kvroute
 splitting every request: fixed P/D), `kvroute:2p6d` (the same fleet, kvroute's conditional disaggregation: a request
 is split only when that is predicted sooner), `vllm-router:2p6d` (vllm-router 0.1.17's PD mode over the same
-workers, NIXL protocol). Every cell runs on a fresh fleet (empty caches, zeroed counters). Times are simulated
-seconds (wall x time scale). Figures per cell: TTFT and inter-token latency (each gap between two tokens of a
-stream) p50/p99, the per-request mean inter-token latency (TPOT) p99, goodput (the offered rate x the share of requests meeting
-TTFT <= --ttft-slo and TPOT <= --itl-slo), throughput, KV moved between workers, the share of requests split, and
-the sims' engine lag (how far they fell behind the wall clock: ~0 means the host kept up). Tables: disagg_report.py.
+workers, NIXL protocol). Times are simulated seconds (wall x time scale). Figures per load: TTFT and inter-token
+latency (each gap between two tokens of a stream) p50/p99, the per-request mean inter-token latency (TPOT) p99, SLO
+attainment (the share of requests meeting TTFT <= --ttft-slo and TPOT <= --itl-slo), throughput, KV moved between
+workers, the share of requests split, and the sims' engine lag (how far they fell behind the wall clock: ~0 means
+the host kept up).
+
+Goodput, in each mode:
+- without --sweep, every cell runs on a fresh fleet (empty caches, zeroed counters) at the family's one offered
+  rate (RATES, --rate), and goodput is that rate x the SLO attainment. Where every route meets the SLO it is the
+  offered rate for all of them: it cannot say which serves more.
+- with --sweep M1,M2,..., goodput is DistServe's: the highest offered rate at which at least --attainment (90%) of
+  requests meet the SLO. Per (family, route, repeat) one fresh fleet and router run the family's rate x each
+  multiplier in increasing order, each step's prompts salted anew (cold caches) and the fleet idle before it,
+  until the first step below the target; the sustained rate is the last passing step's rate before it (0 when
+  the first fails). The rules: disagg_sweep.py.
+Tables: disagg_report.py.
 """
 
 from __future__ import annotations
@@ -19,13 +30,23 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from bench.disagg_report import render
+from bench.disagg_sweep import (
+    ATTAINMENT,
+    parse_multipliers,
+    run_steps,
+    salted,
+    sustained_record,
+    wait_until_idle,
+)
 from bench.disagg_workloads import FAMILIES, KINDS, load_or_generate
 from bench.fleet import Fleet, SimWorkerSpec, free_port, resolve_default, start_kvroute
-from bench.loadgen import LoadGenerator, RunResult, percentile
+from bench.loadgen import LoadGenerator, RequestSpec, RunResult, percentile
 from bench.peers import RunningRouter, ensure_installed, spawn, wait_ready
 from bench.procstat import ProcessTree
 from bench.report import environment_note, results_path, write_json
@@ -91,27 +112,68 @@ def start_vllm_router(fleet: Fleet, shape: str, log_dir: Path) -> RunningRouter:
     return router
 
 
-def run_cell(args: argparse.Namespace, w: Workload, family: str, route: str, salt: str, log_dir: Path) -> dict[str, Any]:
+@contextmanager
+def serving(args: argparse.Namespace, route: str, log_dir: Path) -> Iterator[tuple[Fleet, RunningRouter]]:
+    """A fresh fleet shaped by the route and its router over it, stopped on the way out."""
     router_kind, shape, policy = shape_of(route)
-    ts = args.time_scale
-    rate_wall = args.rate.get(family, RATES[family]) * ts
-    with Fleet(log_dir, fleet_specs(shape, ts, args.preset)) as fleet:
+    with Fleet(log_dir, fleet_specs(shape, args.time_scale, args.preset)) as fleet:
         router = start_kvroute(fleet, resolve_default(policy)) if router_kind == "kvroute" else \
             start_vllm_router(fleet, shape, log_dir)
         try:
-            specs = w.specs(rate_wall, salt=salt, limit=args.requests)
-            before = fleet.sim_states()
-            cpu0 = router.tree.cpu_seconds()
-            run = asyncio.run(LoadGenerator(router.url, record_gaps=True).open_loop(specs, gap_scale=1.0))
-            router_cpu = (router.tree.cpu_seconds() - cpu0) / run.wall_s
-            after = fleet.sim_states()
+            yield fleet, router
         finally:
             router.stop()
-    row = measure(run, before, after, SHAPES[shape][0], ts, args.ttft_slo, args.itl_slo)
-    rate = rate_wall / ts
-    # goodput: the offered rate the route served within the SLO (every route is offered the same arrivals)
-    row.update(family=family, route=route, router_cpu=router_cpu, rate=rate, goodput_per_s=rate * row["goodput_frac"])
+
+
+def measure_load(args: argparse.Namespace, fleet: Fleet, router: RunningRouter, route: str,
+                 specs: list[RequestSpec]) -> dict[str, Any]:
+    """Send `specs` open loop through the router; the figures of that load (sim counters as deltas)."""
+    before = fleet.sim_states()
+    cpu0 = router.tree.cpu_seconds()
+    run = asyncio.run(LoadGenerator(router.url, record_gaps=True).open_loop(specs, gap_scale=1.0))
+    router_cpu = (router.tree.cpu_seconds() - cpu0) / run.wall_s
+    after = fleet.sim_states()
+    row = measure(run, before, after, SHAPES[shape_of(route)[1]][0], args.time_scale, args.ttft_slo, args.itl_slo)
+    row["router_cpu"] = router_cpu
     return row
+
+
+def family_rate(args: argparse.Namespace, family: str) -> float:
+    """The family's offered rate, requests per simulated second (--rate over RATES)."""
+    return args.rate.get(family, RATES[family])
+
+
+def run_cell(args: argparse.Namespace, w: Workload, family: str, route: str, salt: str, log_dir: Path) -> dict[str, Any]:
+    rate = family_rate(args, family)
+    with serving(args, route, log_dir) as (fleet, router):
+        row = measure_load(args, fleet, router, route, w.specs(rate * args.time_scale, salt=salt, limit=args.requests))
+    # goodput: the offered rate the route served within the SLO (every route is offered the same arrivals)
+    row.update(family=family, route=route, rate=rate, goodput_per_s=rate * row["goodput_frac"])
+    return row
+
+
+def run_sweep_cell(args: argparse.Namespace, w: Workload, family: str, route: str, repeat: int, log_dir: Path,
+                   steps: list[dict[str, Any]]) -> None:
+    """One fleet and router for every multiplier of --sweep, in increasing order, each step's prompts salted anew,
+    the fleet idle before each; stops after the first step below --attainment. Appends each step's row to
+    `steps` as it is measured (a later step's failure keeps the earlier ones)."""
+    base = family_rate(args, family)
+    with serving(args, route, log_dir) as (fleet, router):
+        def step(multiplier: float) -> dict[str, Any]:
+            idle_wait_s = wait_until_idle(fleet)
+            rate = base * multiplier
+            salt = f"{family}-{route}-{repeat}-x{multiplier:g}-{time.time()}"
+            specs = salted(w.specs(rate * args.time_scale, salt=salt, limit=args.requests), salt)
+            row = measure_load(args, fleet, router, route, specs)
+            row.update(family=family, route=route, repeat=repeat, multiplier=multiplier, rate=rate,
+                       attainment=row["goodput_frac"], goodput_per_s=rate * row["goodput_frac"],
+                       idle_wait_s=idle_wait_s)
+            busy = " (the fleet was still busy at the idle deadline)" if idle_wait_s < 0 else ""
+            print(f"[disagg] {family} {route} #{repeat} x{multiplier:g} ({rate:g}/s): attainment="
+                  f"{100 * row['attainment']:.0f}% {_figures(row)}{busy}", flush=True)
+            return row
+
+        run_steps(args.sweep, args.attainment, step, steps.append)
 
 
 def measure(run: RunResult, before: list[dict], after: list[dict], prefill_workers: int, ts: float,
@@ -170,6 +232,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=PRESET)
     p.add_argument("--ttft-slo", type=float, default=2.0, help="goodput: time to first token, simulated seconds")
     p.add_argument("--itl-slo", type=float, default=0.05, help="goodput: mean inter-token latency, simulated seconds")
+    p.add_argument("--sweep", default="",
+                   help="M1,M2,...: goodput as the highest sustainable rate. Per (family, route, repeat) one fleet runs "
+                        "the family's rate x each multiplier in increasing order (fresh prompts each step) until the "
+                        "first step below --attainment; empty: one cell per route at the family's rate")
+    p.add_argument("--attainment", type=float, default=ATTAINMENT,
+                   help="--sweep: the share of requests that must meet both SLOs for a step to pass")
     p.add_argument("--name", default="disagg", help="result file name after the date")
     p.add_argument("--out-dir", type=Path, default=None, help="default bench/results/")
     p.add_argument("--render", type=Path, default=None, help="only regenerate the markdown from this JSON file")
@@ -181,16 +249,14 @@ def run(args: argparse.Namespace) -> int:
         print(args.render.with_suffix(".md"))
         return 0
     args.rate = {k: float(v) for k, v in (item.split("=") for item in args.rate.split(",") if item)}
+    args.sweep = parse_multipliers(args.sweep)
+    if not 0 < args.attainment <= 1:
+        raise SystemExit(f"--attainment {args.attainment}: a share of requests, above 0 and at most 1")
     families = [f for f in args.families.split(",") if f]
     routes = [r for r in args.routes.split(",") if r]
     for route in routes:
         shape_of(route)
-    data: dict[str, Any] = {"meta": {
-        "environment": environment_note(), "command": "kvroute bench disagg " + shlex.join(
-            sys.argv[sys.argv.index("disagg") + 1:] if "disagg" in sys.argv else sys.argv[1:]),
-        "workers": WORKERS, "preset": args.preset, "time_scale": args.time_scale, "requests": args.requests,
-        "repeats": args.repeats, "ttft_slo": args.ttft_slo, "itl_slo": args.itl_slo, "link": LINK,
-        "families": {f: FAMILIES[f] for f in families}, "took_s": 0.0}, "rows": [], "failed_cells": []}
+    data = new_result(args, families)
     log_dir = Path(__file__).resolve().parent / ".runs" / f"disagg-{int(time.time())}"
     started = time.time()
     total, done = len(families) * len(routes) * args.repeats, 0
@@ -199,28 +265,70 @@ def run(args: argparse.Namespace) -> int:
         for rep in range(args.repeats):  # repeats outermost: drift on the machine spreads over every route
             for route in routes:
                 t0 = time.time()
+                cell_dir = log_dir / family / f"{route.replace(':', '-')}-{rep}"
                 try:
-                    row = run_cell(args, w, family, route, f"{family}-{route}-{rep}-{time.time()}",
-                                   log_dir / family / f"{route.replace(':', '-')}-{rep}")
+                    summary = (run_sweep(args, data, w, family, route, rep, cell_dir) if args.sweep
+                               else run_fixed(args, data, w, family, route, rep, cell_dir))
                 except Exception as exc:  # one broken router must not cost the other cells
                     print(f"[disagg] {family} {route} #{rep} FAILED: {exc}", flush=True)
                     data["failed_cells"].append(f"{family} {route} #{rep}: {str(exc)[:300]}")
                     continue
                 finally:
                     done += 1
-                row["repeat"] = rep
-                data["rows"].append(row)
+                    data["meta"]["took_s"] = time.time() - started
+                    write_json(results_path(args.name, ".json", args.out_dir), data)
+                    results_path(args.name, ".md", args.out_dir).write_text(render(data))
                 eta = (time.time() - started) / done * (total - done)
-                print(f"[disagg] {family} {route} #{rep}: ok={row['ok']}/{row['requests']} ttft p50/p99="
-                      f"{row['ttft_p50'] or 0:.2f}/{row['ttft_p99'] or 0:.2f}s itl p50/p99={1000 * (row['itl_p50'] or 0):.0f}/"
-                      f"{1000 * (row['itl_p99'] or 0):.0f}ms goodput={row['goodput_per_s']:.2f}/s split="
-                      f"{100 * row['split_share']:.0f}% kv={row['kv_moved_gb']:.1f}GB lag={row['engine_lag_s']:.2f}s "
-                      f"({time.time() - t0:.0f}s, ETA {eta / 60:.0f} min)", flush=True)
-                data["meta"]["took_s"] = time.time() - started
-                write_json(results_path(args.name, ".json", args.out_dir), data)
-                results_path(args.name, ".md", args.out_dir).write_text(render(data))
+                print(f"[disagg] {family} {route} #{rep}: {summary} ({time.time() - t0:.0f}s, ETA {eta / 60:.0f} min)",
+                      flush=True)
     print(render(data))
     return 0 if not data["failed_cells"] else 1
+
+
+def new_result(args: argparse.Namespace, families: list[str]) -> dict[str, Any]:
+    """The result file's skeleton: its meta (a sweep run adds its multipliers and target), no rows yet."""
+    meta: dict[str, Any] = {
+        "environment": environment_note(), "command": "kvroute bench disagg " + shlex.join(
+            sys.argv[sys.argv.index("disagg") + 1:] if "disagg" in sys.argv else sys.argv[1:]),
+        "workers": WORKERS, "preset": args.preset, "time_scale": args.time_scale, "requests": args.requests,
+        "repeats": args.repeats, "ttft_slo": args.ttft_slo, "itl_slo": args.itl_slo, "link": LINK,
+        "families": {f: FAMILIES[f] for f in families}, "took_s": 0.0}
+    data: dict[str, Any] = {"meta": meta, "rows": [], "failed_cells": []}
+    if args.sweep:
+        meta.update(sweep=args.sweep, attainment=args.attainment,
+                    rates={f: family_rate(args, f) for f in families})
+        data["sustained"] = []
+    return data
+
+
+def run_fixed(args: argparse.Namespace, data: dict[str, Any], w: Workload, family: str, route: str, rep: int,
+              cell_dir: Path) -> str:
+    """One cell at the family's rate on a fresh fleet; its row into `data`, a line for the log."""
+    row = run_cell(args, w, family, route, f"{family}-{route}-{rep}-{time.time()}", cell_dir)
+    row["repeat"] = rep
+    data["rows"].append(row)
+    return f"{_figures(row)} goodput={row['goodput_per_s']:.2f}/s"
+
+
+def run_sweep(args: argparse.Namespace, data: dict[str, Any], w: Workload, family: str, route: str, rep: int,
+              cell_dir: Path) -> str:
+    """One sweep on one fleet; its steps and sustained rate into `data` (the steps even when a later one
+    raised), a line for the log."""
+    steps: list[dict[str, Any]] = []
+    try:
+        run_sweep_cell(args, w, family, route, rep, cell_dir, steps)
+    finally:
+        data["rows"] += steps
+    record = sustained_record(family, route, rep, steps, args.attainment)
+    data["sustained"].append(record)
+    return f"sustained {record['sustained_rate']:g} req/s over {record['steps']} steps"
+
+
+def _figures(row: dict[str, Any]) -> str:
+    return (f"ok={row['ok']}/{row['requests']} ttft p50/p99={row['ttft_p50'] or 0:.2f}/{row['ttft_p99'] or 0:.2f}s "
+            f"itl p50/p99={1000 * (row['itl_p50'] or 0):.0f}/{1000 * (row['itl_p99'] or 0):.0f}ms tpot p99="
+            f"{1000 * (row['tpot_p99'] or 0):.0f}ms split={100 * row['split_share']:.0f}% "
+            f"kv={row['kv_moved_gb']:.1f}GB lag={row['engine_lag_s']:.2f}s")
 
 
 if __name__ == "__main__":

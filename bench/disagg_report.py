@@ -2,7 +2,8 @@
 
 Owns formatting only (bench/disagg.py measures): each figure is the median of a route's repeats, goodput with its
 range; the verdicts compare kvroute with vllm-router's PD mode on the same fleet shape, and kvroute's conditional
-disaggregation with the better of the aggregated fleet and the best fixed split.
+disaggregation with the better of the aggregated fleet and the best fixed split. A --sweep run's tables (sustained
+rate, attainment per step) are disagg_sweep_report.py's; the bars are the same, on the sustained rates.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ COLUMNS = ("TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms", "TPOT p99 ms"
            "throughput req/s", "out tok/s", "KV moved GB", "split", "failed", "engine lag s")
 
 
-def _median(rows: list[dict[str, Any]], key: str) -> float | None:
+def median_of(rows: list[dict[str, Any]], key: str) -> float | None:
     values = [r[key] for r in rows if r.get(key) is not None]
     return statistics.median(values) if values else None
 
 
-def _fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
+def fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
     return "-" if value is None else f"{value * scale:.{digits}f}"
 
 
@@ -34,53 +35,67 @@ def by_route(data: dict[str, Any], family: str) -> dict[str, list[dict[str, Any]
 
 
 def goodput(rows: list[dict[str, Any]]) -> float:
-    return _median(rows, "goodput_per_s") or 0.0
+    return median_of(rows, "goodput_per_s") or 0.0
 
 
 def family_table(routes: dict[str, list[dict[str, Any]]]) -> str:
     lines = []
     for route, rows in routes.items():
         g = [r["goodput_per_s"] for r in rows]
-        lines.append([route, _fmt(_median(rows, "ttft_p50")), _fmt(_median(rows, "ttft_p99")),
-                      _fmt(_median(rows, "itl_p50"), 1000, 0), _fmt(_median(rows, "itl_p99"), 1000, 0),
-                      _fmt(_median(rows, "tpot_p99"), 1000, 0),
-                      f"{goodput(rows):.2f} ({min(g):.2f}-{max(g):.2f})", _fmt(_median(rows, "req_per_s")),
-                      _fmt(_median(rows, "output_tok_per_s"), 1, 0), _fmt(_median(rows, "kv_moved_gb"), 1, 1),
-                      f"{100 * (_median(rows, 'split_share') or 0):.0f}%", sum(r["failed"] for r in rows),
-                      _fmt(max(r["engine_lag_s"] for r in rows))])
+        lines.append([route, fmt(median_of(rows, "ttft_p50")), fmt(median_of(rows, "ttft_p99")),
+                      fmt(median_of(rows, "itl_p50"), 1000, 0), fmt(median_of(rows, "itl_p99"), 1000, 0),
+                      fmt(median_of(rows, "tpot_p99"), 1000, 0),
+                      f"{goodput(rows):.2f} ({min(g):.2f}-{max(g):.2f})", fmt(median_of(rows, "req_per_s")),
+                      fmt(median_of(rows, "output_tok_per_s"), 1, 0), fmt(median_of(rows, "kv_moved_gb"), 1, 1),
+                      f"{100 * (median_of(rows, 'split_share') or 0):.0f}%", sum(r["failed"] for r in rows),
+                      fmt(max(r["engine_lag_s"] for r in rows))])
     return md_table(("route", *COLUMNS), lines)
 
 
 def verdicts(data: dict[str, Any]) -> list[str]:
     out = []
     for family in data["meta"]["families"]:
-        routes = by_route(data, family)
-        for route, rows in routes.items():
-            if not route.startswith("vllm-router:"):
-                continue
-            shape = route.split(":", 1)[1]
-            ours = routes.get(f"kvroute:{shape}")
-            if ours:
-                ratio = goodput(ours) / goodput(rows) if goodput(rows) else float("inf")
-                out.append(f"- {family}, {shape}: kvroute (conditional) {goodput(ours):.2f} req/s of goodput vs "
-                           f"vllm-router PD {goodput(rows):.2f}: {ratio:.2f}x (bar: 1.2x) "
-                           f"{'PASS' if ratio >= 1.2 else 'FAIL'}")
-        conditional = {r: rows for r, rows in routes.items() if r.startswith("kvroute:")}
-        fixed = {r: rows for r, rows in routes.items() if r.startswith("kvroute-split:") or r == "aggregated"}
-        if conditional and fixed:
-            best_c = max(conditional, key=lambda r: goodput(conditional[r]))
-            best_f = max(fixed, key=lambda r: goodput(fixed[r]))
-            ok = goodput(conditional[best_c]) >= goodput(fixed[best_f])
-            out.append(f"- {family}: best conditional ({best_c}) {goodput(conditional[best_c]):.2f} req/s vs the "
-                       f"best of aggregated and fixed splits ({best_f}) {goodput(fixed[best_f]):.2f}: "
-                       f"{'PASS' if ok else 'FAIL'}{' (the bar is for mixed_images)' if family != 'mixed_images' else ''}")
+        out += bars(family, {route: goodput(rows) for route, rows in by_route(data, family).items()}, "of goodput")
+    return out
+
+
+def ratio(ours: float, theirs: float) -> float | None:
+    """ours / theirs; inf when only theirs is 0, None when both are."""
+    if theirs:
+        return ours / theirs
+    return float("inf") if ours else None
+
+
+def bars(family: str, scores: dict[str, float], what: str) -> list[str]:
+    """The issue's two bars on one family's goodput by route (`what` says which goodput): kvroute >= 1.2x
+    vllm-router's PD mode at the same shape; the best conditional route >= the best of aggregated and fixed splits."""
+    out = []
+    for route, theirs in scores.items():
+        shape = route.split(":", 1)[1] if route.startswith("vllm-router:") else None
+        if shape is None or f"kvroute:{shape}" not in scores:
+            continue
+        ours = scores[f"kvroute:{shape}"]
+        r = ratio(ours, theirs)
+        out.append(f"- {family}, {shape}: kvroute (conditional) {ours:.2f} req/s {what} vs vllm-router PD "
+                   f"{theirs:.2f}: {'-' if r is None else f'{r:.2f}'}x (bar: 1.2x) "
+                   f"{'PASS' if r is not None and r >= 1.2 else 'FAIL'}")
+    conditional = {r: v for r, v in scores.items() if r.startswith("kvroute:")}
+    fixed = {r: v for r, v in scores.items() if r.startswith("kvroute-split:") or r == "aggregated"}
+    if conditional and fixed:
+        best_c = max(conditional, key=lambda r: conditional[r])
+        best_f = max(fixed, key=lambda r: fixed[r])
+        ok = conditional[best_c] >= fixed[best_f]
+        out.append(f"- {family}: best conditional ({best_c}) {conditional[best_c]:.2f} req/s vs the "
+                   f"best of aggregated and fixed splits ({best_f}) {fixed[best_f]:.2f}: "
+                   f"{'PASS' if ok else 'FAIL'}{' (the bar is for mixed_images)' if family != 'mixed_images' else ''}")
     return out
 
 
 def render(data: dict[str, Any]) -> str:
+    if data["meta"].get("sweep"):
+        return render_sweep(data)
     meta = data["meta"]
-    parts = [f"# Disaggregated serving: {meta['workers']} x {meta['preset']} sims, kvroute vs fixed splits vs "
-             f"vllm-router's PD mode", "",
+    parts = [_title(meta), "",
              f"`{meta['command']}` ({meta['environment']}; {meta['repeats']} repeats, {meta['requests']} requests "
              f"per cell, time scale {meta['time_scale']}, link {meta['link']}, {meta['took_s'] / 60:.0f} min). "
              f"Simulated seconds. Goodput: the offered rate x the share of requests with TTFT <= "
@@ -96,6 +111,38 @@ def render(data: dict[str, Any]) -> str:
     verdict = verdicts(data)
     if verdict:
         parts += ["## The bars", "", *verdict, ""]
-    if data.get("failed_cells"):
-        parts += ["## Cells that failed", "", *(f"- {c}" for c in data["failed_cells"]), ""]
-    return "\n".join(parts)
+    return "\n".join(parts + _failed(data))
+
+
+def _title(meta: dict[str, Any]) -> str:
+    return (f"# Disaggregated serving: {meta['workers']} x {meta['preset']} sims, kvroute vs fixed splits vs "
+            f"vllm-router's PD mode")
+
+
+def _failed(data: dict[str, Any]) -> list[str]:
+    if not data.get("failed_cells"):
+        return []
+    return ["## Cells that failed", "", *(f"- {c}" for c in data["failed_cells"]), ""]
+
+
+def render_sweep(data: dict[str, Any]) -> str:
+    """A --sweep run: per family the sustained rate of each route and its attainment at each step, then the
+    steps' figures, then the bars on the sustained rates."""
+    from bench.disagg_sweep_report import sweep_sections  # here: that module builds on this one's helpers
+
+    meta = data["meta"]
+    multipliers = ", ".join(f"{m:g}" for m in meta["sweep"])
+    parts = [_title(meta) + ": goodput as the highest sustainable rate", "",
+             f"`{meta['command']}` ({meta['environment']}; {meta['repeats']} repeats, {meta['requests']} requests "
+             f"per step, time scale {meta['time_scale']}, link {meta['link']}, {meta['took_s'] / 60:.0f} min). "
+             f"Simulated seconds. Goodput (DistServe's): the highest offered rate at which at least "
+             f"{100 * meta['attainment']:.0f}% of requests meet TTFT <= {meta['ttft_slo']:g} s and mean inter-token "
+             f"latency (TPOT) <= {1000 * meta['itl_slo']:.0f} ms. Per family, route and repeat one fleet and router "
+             f"ran the family's rate times {multipliers} in that order, each step's prompts new to every cache and the "
+             f"fleet idle before it, and stopped after the first step below the target; the sustained rate is the "
+             f"last passing step's rate before it (0: the first step failed). Sustained: median (min-max) over the "
+             f"repeats. vs vllm-router: kvroute:SHAPE against vllm-router:SHAPE, every other route against the "
+             f"best vllm-router route. Attainment: the median over the repeats that ran the step ((k/n) when only k "
+             f"of n did: the others had stopped).", ""]
+    parts += sweep_sections(data)
+    return "\n".join(parts + _failed(data))
