@@ -7,6 +7,7 @@ scraping the workers' /metrics; it does not generate load or format results.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import time
@@ -154,7 +155,8 @@ def kvroute_command(policy_spec: str, port: int, log_dir: Path) -> tuple[str, li
     from bench.route_spec import parse_route_spec
 
     route = parse_route_spec(policy_spec)
-    args = ["proxy", "--host", "127.0.0.1", "--port", str(port), "--policy", route.policy, "--log-level", "warning"]
+    args = ["proxy", "--host", "127.0.0.1", "--port", str(port), "--policy", route.policy, "--log-level",
+            os.environ.get("KVROUTE_BENCH_PROXY_LOG_LEVEL", "warning")]  # debug: every routing decision in its log
     if route.proxy:
         cfg = route.write_config(log_dir / f"proxy-{abs(hash(policy_spec))}.yaml")
         args += ["--config", str(cfg)]

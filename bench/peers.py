@@ -159,9 +159,9 @@ def spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None) ->
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, cwd=str(BENCH_DIR.parent))
 
 
-def _get(url: str, timeout: float = 1.0) -> tuple[int, bytes]:
+def _get(url: str, timeout: float = 1.0, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, b""
@@ -182,13 +182,14 @@ def _post_json(url: str, body: dict, timeout: float = 5.0) -> int:
 
 
 def wait_ready(url: str, popen: subprocess.Popen[bytes], log_path: Path, timeout: float = 60.0,
-               path: str = "/v1/models", want_models: int = 1) -> None:
-    """Wait until GET url+path answers 200 (and lists a model) or the process dies."""
+               path: str = "/v1/models", want_models: int = 1, headers: dict[str, str] | None = None) -> None:
+    """Wait until GET url+path answers 200 (and lists a model) or the process dies. `headers`: what a client
+    sends (a router that forwards /v1/models to engines that want a key needs the key)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if popen.poll() is not None:
             raise RuntimeError(f"{log_path.stem} exited ({popen.returncode}):\n{log_path.read_text()[-2000:]}")
-        status, body = _get(url + path)
+        status, body = _get(url + path, headers=headers)
         if status == 200:
             if path != "/v1/models":
                 return
@@ -221,9 +222,11 @@ def router_command(venv: Path, name: str, policy: str, worker_urls: list[str], p
 
 
 def start_peer(name: str, policy: str, worker_urls: list[str], port: int, metrics_port: int,
-               log_dir: Path, kv_events: KvEventSources | None = None) -> RunningRouter:
-    """Start one peer router with `policy` over `worker_urls` on 127.0.0.1:port; wait until it routes.
-    `kv_events`: where the workers publish their KV-cache events (vllm-router:kv_aware needs them)."""
+               log_dir: Path, kv_events: KvEventSources | None = None,
+               headers: dict[str, str] | None = None) -> RunningRouter:
+    """Start one peer router with `policy` over `worker_urls` on 127.0.0.1:port; wait until it routes (a router
+    that does not come up is stopped before the error goes on). `kv_events`: where the workers publish their
+    KV-cache events (vllm-router:kv_aware needs them); `headers`: what clients send (the engines' API key)."""
     check_kv_events(name, policy, kv_events)
     venv = ensure_installed(name)
     url = f"http://127.0.0.1:{port}"
@@ -231,7 +234,11 @@ def start_peer(name: str, policy: str, worker_urls: list[str], port: int, metric
     if name in ("vllm-router", "sglang-router"):
         args = router_command(venv, name, policy, worker_urls, port, metrics_port, kv_events)
         popen = spawn(args, log_path)
-        wait_ready(url, popen, log_path, path="/v1/models")
+        try:
+            wait_ready(url, popen, log_path, path="/v1/models", headers=headers)
+        except BaseException:
+            RunningRouter(name, url, popen, log_path, ProcessTree(popen.pid)).stop()
+            raise
     elif name == "lmdeploy":
         # A node list persisted by an earlier run would be loaded at import time: start clean.
         site = next((venv / "lib").glob("python*/site-packages/lmdeploy/serve/proxy"))

@@ -63,6 +63,8 @@ class VllmFleet:
         try:
             for i in range(self.args.workers):
                 port = free_port()
+                if self.args.engine_cores == "spread":  # one core each, as each engine would have its own GPU
+                    env = {**env, "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}
                 argv = [*KVROUTE, "worker", "--engine", "vllm", "--model", str(self.args.model_dir), "--device", "cpu",
                         "--served-model-name", MODEL, "--port", str(port), "--proxy-url", self.proxy_url,
                         "--worker-id", f"vllm-{i}", "--log-level", "warning", "--", *engine]
@@ -87,7 +89,7 @@ class VllmFleet:
 def workload(args: argparse.Namespace, vocab: BlockVocabulary, salt: str) -> list[RequestSpec]:
     """`requests` chats over `prompts` shared system prompts of `prompt_tokens` one-token words, salted."""
     rng = random.Random(f"{args.seed}/{salt}")
-    systems = ["".join(vocab.block(p, salt)[:args.prompt_tokens]).strip() for p in range(args.prompts)]
+    systems = [system_prompt(vocab, p, args.prompt_tokens, salt) for p in range(args.prompts)]
     weights = [1.0 / (p + 1) ** args.zipf for p in range(args.prompts)]
     specs = []
     for i in range(args.requests):
@@ -98,6 +100,25 @@ def workload(args: argparse.Namespace, vocab: BlockVocabulary, salt: str) -> lis
     return specs
 
 
+def system_prompt(vocab: BlockVocabulary, index: int, tokens: int, salt: str) -> str:
+    """Shared prompt `index`: `tokens` one-token words, drawn block by block (a block holds BLOCK_TOKENS)."""
+    words: list[str] = []
+    block = 0
+    while len(words) < tokens:
+        words.extend(vocab.block(index * 1000 + block, salt)[:tokens - len(words)])
+        block += 1
+    return "".join(words)  # each word one token with its leading space: exactly `tokens`
+
+
+def warm_up(fleet: VllmFleet, args: argparse.Namespace, vocab: BlockVocabulary) -> None:
+    """Each engine serves a full batch of the workload's shape, unmeasured, before the first cell: a CPU engine's
+    first batches of a new shape are slow, and whichever route ran first would pay for them."""
+    headers = {"Authorization": f"Bearer {fleet.api_key}"}
+    specs = workload(args, vocab, "warm-up")[:2 * args.max_num_seqs]
+    for url in fleet.urls:
+        asyncio.run(LoadGenerator(url, timeout_s=args.timeout_s, headers=headers).closed_loop(specs, args.max_num_seqs))
+
+
 def _delta(after: list[dict[str, float]], before: list[dict[str, float]], name: str) -> list[float]:
     return [a.get(name, 0.0) - b.get(name, 0.0) for a, b in zip(after, before, strict=True)]
 
@@ -106,7 +127,8 @@ def start_route(route: str, fleet: VllmFleet) -> RunningRouter:
     kind, _, policy = route.partition(":")
     if kind == "kvroute":  # start_kvroute reads a fleet's proxy_url, proxy_port, log_dir and urls
         return start_kvroute(fleet, resolve_default(policy or "default"), timeout=120)  # type: ignore[arg-type]
-    return start_peer(kind, policy, fleet.urls, free_port(), free_port(), fleet.log_dir)
+    return start_peer(kind, policy, fleet.urls, free_port(), free_port(), fleet.log_dir,
+                      headers={"Authorization": f"Bearer {fleet.api_key}"})
 
 
 def run_cell(route: str, fleet: VllmFleet, args: argparse.Namespace, vocab: BlockVocabulary,
@@ -172,7 +194,7 @@ def render(data: dict[str, Any]) -> str:
            f"max-num-seqs {a['max_num_seqs']}, prefix caching on); {a['requests']} streamed chats per cell at "
            f"concurrency {a['concurrency']}: {a['prompts']} shared system prompts of {a['prompt_tokens']} tokens "
            f"(Zipf {a['zipf']}), a {a['question_tokens']}-token question, {a['max_tokens']} output tokens; prompts "
-           f"salted per cell. Mean (min-max) over {a['repeats']} repeats; times in ms.", ""]
+           f"salted per cell; engine cores: {a.get('engine_cores', 'auto')}. Mean (min-max) over {a['repeats']} repeats; times in ms.", ""]
     headers = ["route", "failed", "refused", "makespan (s)", "TTFT p50", "TTFT p99", "engines' prefix hit (%)",
                "preemptions", "stalls declared", "looked stalled, kept", "circuits opened"]
     rows = []
@@ -215,6 +237,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--requests", type=int, default=240)
     p.add_argument("--concurrency", type=int, default=24)
+    p.add_argument("--engine-cores", choices=("spread", "auto"), default="spread",
+                   help="spread: engine i computes on core i (mod the cores), apart as GPUs are; auto: vLLM's own "
+                        "binding (every engine on the same core here)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per request, client side")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--model-dir", type=Path, default=REPO / "models" / "tiny-qwen3-vl")
@@ -232,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
                                         if not k.startswith("_") and k != "family"}, "routes": routes}, "rows": []}
     t0 = time.time()
     with VllmFleet(args, log_dir) as fleet:
+        warm_up(fleet, args, vocab)
         for repeat in range(args.repeats):
             for route in routes:
                 row = run_cell(route, fleet, args, vocab, salt=f"r{repeat}-{route}")
