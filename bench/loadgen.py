@@ -316,7 +316,7 @@ def summarize(run: RunResult, ttft_slo_s: float | None = None) -> dict[str, Any]
         "wall_s": run.wall_s, "req_per_s": len(ok) / run.wall_s if run.wall_s else 0.0,
         "output_tok_per_s": sum(r.completion_tokens for r in ok) / run.wall_s if run.wall_s else 0.0,
         "lat_p50": percentile(lat, 50), "lat_p99": percentile(lat, 99),
-        "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+        "ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90), "ttft_p99": percentile(ttft, 99),
         "per_worker": per_worker,
         "errors": sorted({r.error for r in rs if r.error})[:5],
     }
