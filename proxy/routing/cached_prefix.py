@@ -41,7 +41,6 @@ class CachedPrefix:
         """For each worker (among `worker_ids`; None: any) with some of the prompt cached, how many tokens."""
         cached: dict[str, int] = {}
         exact_ids: set[str] = set()
-        block_size_of: dict[str, int] = {}  # exact workers: their engine's block size
         schemes = self.exact.exact_by_scheme()
         # token ids are counted on first use (proxy/tokens): only where some engine's exact view can use them
         if schemes and request.token_ids is not None and request.media_spans is not None:
@@ -51,7 +50,6 @@ class CachedPrefix:
                     continue
                 exact_ids.update(wanted)
                 size = scheme.block_size
-                block_size_of.update(dict.fromkeys(wanted, size))
                 for wid, depth in self.exact.match(self.block_hashes(request, scheme), wanted).items():
                     cached[wid] = depth * size
             self._exact_memo = (request, exact_ids, dict(cached))
@@ -60,13 +58,9 @@ class CachedPrefix:
             return cached
         prefix_tokens = request.prefix_tokens
         if exact_ids:
-            last = len(request.token_ids or ()) - 1  # vLLM computes at least the prompt's last token
             for wid, depth in self.recent.match(prefix_hashes, exact_ids, now).items():
-                # what the engine will hold of it: whole blocks, never the prompt's last token
-                size = block_size_of[wid]
-                guess = min(prefix_tokens[depth - 1], last) // size * size
-                if guess > cached.get(wid, 0):
-                    cached[wid] = guess
+                if prefix_tokens[depth - 1] > cached.get(wid, 0):
+                    cached[wid] = prefix_tokens[depth - 1]
             others = None if worker_ids is None else {w for w in worker_ids if w not in exact_ids}
         else:
             others = worker_ids

