@@ -206,6 +206,7 @@ def render(data: dict[str, Any]) -> str:
                      _mean_spread(rs, "preemptions", digits=1), _mean_spread(rs, "stalls_declared", digits=1),
                      _mean_spread(rs, "stalls_kept", digits=1), _mean_spread(rs, "circuits_opened", digits=1)])
     out.append(md_table(headers, rows))
+    out += [f"- cell not run: {failure}" for failure in data.get("failed_cells", [])]
     out += ["", "Per cell:", ""]
     out.append(md_table(["repeat", "route", "ok", "failed", "makespan (s)", "TTFT p99", "hit (%)", "stalls"],
                         [[r["repeat"], r["route"], r["ok"], r["failed"], fmt(r["makespan_s"]), ms(r["ttft_p99"]),
@@ -260,7 +261,12 @@ def run(args: argparse.Namespace) -> int:
         warm_up(fleet, args, vocab)
         for repeat in range(args.repeats):
             for route in routes:
-                row = run_cell(route, fleet, args, vocab, salt=f"r{repeat}-{route}")
+                try:
+                    row = run_cell(route, fleet, args, vocab, salt=f"r{repeat}-{route}")
+                except Exception as exc:  # one router that does not come up must not cost the other cells
+                    print(f"[vllm-kv] repeat {repeat} {route}: FAILED: {exc}", flush=True)
+                    data.setdefault("failed_cells", []).append(f"{route} #{repeat}: {str(exc)[:300]}")
+                    continue
                 row["repeat"] = repeat
                 data["rows"].append(row)
                 print(f"[vllm-kv] repeat {repeat} {route}: ok={row['ok']} failed={row['failed']} "
