@@ -1,7 +1,8 @@
 """Real vLLM CPU workers under KV pressure: kvroute against the peer routers over the same engines, in one run.
 
 Owns this one benchmark: N `kvroute worker --engine vllm` processes (the tiny Qwen3-VL, a small KV cache,
-prefix caching on) that stay up for the whole run, and per cell one router in front of them. The workload:
+prefix caching on, each on its own core as each would have its own GPU, warmed up before the first cell) that
+stay up for the whole run, and per cell one router in front of them. The workload:
 a few long shared system prompts, each request one of them plus a short question, streamed, closed loop
 at high concurrency; the prompts are salted per cell, so every cell starts cold on every engine. Measured
 per cell: failures and refusals, makespan, TTFT p50/p99 (to the first generated token), the engines' own
@@ -111,7 +112,7 @@ def system_prompt(vocab: BlockVocabulary, index: int, tokens: int, salt: str) ->
 
 
 def warm_up(fleet: VllmFleet, args: argparse.Namespace, vocab: BlockVocabulary) -> None:
-    """Each engine serves a full batch of the workload's shape, unmeasured, before the first cell: a CPU engine's
+    """Each engine serves two full batches of the workload's shape, unmeasured, before the first cell: a CPU engine's
     first batches of a new shape are slow, and whichever route ran first would pay for them."""
     headers = {"Authorization": f"Bearer {fleet.api_key}"}
     specs = workload(args, vocab, "warm-up")[:2 * args.max_num_seqs]
