@@ -32,7 +32,7 @@ from bench.fleet import KVROUTE, free_port, resolve_default, scrape_metrics, sta
 from bench.loadgen import LoadGenerator, RequestSpec, chat_body, summarize
 from bench.peers import RunningRouter, spawn, start_peer, stop_process_group, wait_ready
 from bench.report import environment_note, fmt, md_table, ms, results_path, write_json
-from bench.traces import BlockVocabulary
+from bench.traces import BLOCK_TOKENS, BlockVocabulary, TraceRequest, render_prompt
 
 MODEL = "qwen3-vl-tiny"
 REPO = Path(__file__).resolve().parents[1]
@@ -102,13 +102,9 @@ def workload(args: argparse.Namespace, vocab: BlockVocabulary, salt: str) -> lis
 
 
 def system_prompt(vocab: BlockVocabulary, index: int, tokens: int, salt: str) -> str:
-    """Shared prompt `index`: `tokens` one-token words, drawn block by block (a block holds BLOCK_TOKENS)."""
-    words: list[str] = []
-    block = 0
-    while len(words) < tokens:
-        words.extend(vocab.block(index * 1000 + block, salt)[:tokens - len(words)])
-        block += 1
-    return "".join(words)  # each word one token with its leading space: exactly `tokens`
+    """Shared prompt `index`: `tokens` one-token words, rendered as a trace's prompt of that many blocks."""
+    blocks = tuple(index * 1000 + b for b in range(-(-tokens // BLOCK_TOKENS)))
+    return render_prompt(TraceRequest(0.0, tokens, 0, blocks), vocab, salt, {})
 
 
 def warm_up(fleet: VllmFleet, args: argparse.Namespace, vocab: BlockVocabulary) -> None:
