@@ -172,6 +172,14 @@ def _metric(fleet: Fleet, name: str, worker: str) -> float | None:
                  if sample.name == name and sample.labels.get("worker") == worker), None)
 
 
+def _view_state(fleet: Fleet, worker: str) -> str | None:
+    """The state of the proxy's view of `worker`'s engine cache: exact, incomplete or awaiting."""
+    text = httpx.get(f"{fleet.proxy_url}/metrics", timeout=5).text
+    return next((sample.labels["state"] for family in text_string_to_metric_families(text)
+                 for sample in family.samples if sample.name == "kvroute:worker_kv_event_view"
+                 and sample.labels.get("worker") == worker and sample.value == 1.0), None)
+
+
 def _words(tag: str, n: int) -> str:
     return " ".join(f"{tag}{i}" for i in range(n))
 
@@ -244,8 +252,11 @@ def test_a_prefix_the_engine_dropped_leaves_the_proxys_view_and_its_prediction(f
     wait_until(lambda: _metric(fleet, "kvroute:worker_kv_event_blocks", holder) == 0, 20, 0.2,
                "AllBlocksCleared at the proxy")
     time.sleep(RECENT_S)
+    for worker_id in fleet.workers:  # whichever serves it next, its view is its engine's own events
+        wait_until(lambda w=worker_id: _view_state(fleet, w) == "exact", 20, 0.2,
+                   f"{worker_id}'s exact view at the proxy")
     served = _send(fleet, messages).headers["x-kvroute-worker"]
-    assert _prediction(fleet, served) == {"predicted": 0, "actual": 0, "source": "exact"}
+    assert _prediction(fleet, served) == {"predicted": 0, "actual": 0, "source": "exact"}, fleet.workers_view()[served]
 
 
 def test_chat_with_text(fleet):
