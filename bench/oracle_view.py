@@ -197,7 +197,8 @@ class _Prompt:
 
 def kv_aware_cost(probe: dict[str, Any], cached: int, unseen: list[Sent]) -> float:
     """kvroute's kv_aware cost(w) (proxy/routing/kv_aware.py, its default knobs) on the probed worker's true state; `unseen`:
-    what the oracle sent there that the probe may not show yet (counted as waiting, uncached)."""
+    what the oracle sent there that the probe may not show yet (counted as waiting, uncached). Without the eviction
+    term: the probe names the cached blocks, not which of them were reused."""
     bs = probe["block_size"]
     capacity = probe["num_blocks"] * bs
     usage = (probe["num_blocks"] - probe["free_blocks"] + sum(s.blocks for s in unseen)) / probe["num_blocks"]

@@ -34,6 +34,9 @@ class KvAwareConfig(Knobs):
     credit_per_usage: float = Field(0.0, ge=0, description="extra credit per unit of the holder's projected KV usage")
     credit_per_cache_share: float = Field(5.0, ge=0, description="extra credit per unit of the prefix's share of "
                                                                  "the holder's KV capacity")
+    evict_weight: float = Field(1.0, ge=0, description="the prefixes routed to a worker more than once that a "
+                                                    "request would push out of its cache, credited as a cached "
+                                                    "prefix is (0: not counted)")
     shortlist: int = Field(8, ge=1, description="least loaded workers scored besides the prefix holders (the pick "
                                                 "is the full scan's)")
 

@@ -7,21 +7,27 @@ prefixes from prefix_index.py, candidates from candidates.py's rosters, the weig
     cost(w) = projected_kv_usage(w) + queue_weight * queue_depth(w) + inflight_weight * in_flight(w)
             - prefix_weight * min(1, cached_tokens(w) / prefix_saturation_tokens) * cached_tokens(w) / prompt_tokens
             + backlog_weight * (prefill_backlog(w) - credit(w) * cached_tokens(w)) / capacity(w)
-    credit(w) = cached_prefill_credit + credit_per_cache_share * cached_tokens(w) / capacity(w)
+            + evict_weight * backlog_weight * credit(evicted(w)) * evicted(w) / capacity(w)
+    credit(t) = cached_prefill_credit + credit_per_cache_share * t / capacity(w)
+    evicted(w) = the hot prefix tokens (routed there more than once, not this request's) that the request's
+                 new KV pushes out of the engine's free blocks: min(hot, free) + new - free, within [0, min(hot, free)]
 
 The lowest cost wins (ties: fewest in flight, then random). A cached prefix keeps its worker until that
-worker is fuller, or has more prompt work queued to prefill, than a copy elsewhere would cost; the in-flight
-term gives a hot prefix replicas once its holder's batch slows every decode there. Only the `shortlist` least
-loaded workers (by the cost without the prefix term, the roster's key) and those the prefix index names are
-scored: the minimum is the full scan's (tests/proxy/routing/test_candidates.py). What each term is for and the runs
-that set each weight: docs/design/kv_aware.md.
+worker is fuller, or has more prompt work queued to prefill, than a copy elsewhere would cost (including the
+prefixes the copy evicts there); the in-flight term gives a hot prefix replicas once its holder's batch slows
+every decode there. Candidates are scored in the order of their cost without the prefix and eviction terms (the
+roster's key, a lower bound of a non-holder's cost): the `shortlist` least loaded, those the prefix index names,
+and any further one whose key is below the best cost found; the minimum is the full scan's
+(tests/proxy/routing/test_candidates.py). What each term is for and the runs that set each weight:
+docs/design/kv_aware.md.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from bisect import bisect_left
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from proxy.request import RoutedRequest
 from proxy.routing.base import Decision, Policy
@@ -36,7 +42,8 @@ log = logging.getLogger("kvroute.routing.kv_aware")
 # The cost functions below are closures over one KvAwareConfig's weights: they run for every scored worker, and
 # reading a closure's cells is ~3x cheaper than a pydantic model's attributes.
 PrefixBonus = Callable[[RoutedRequest, int, int, float], float]
-WorkerCost = Callable[[WorkerLoad, RoutedRequest, int, float], float]
+EvictCost = Callable[[float, int, int, int], float]
+WorkerCost = Callable[[WorkerLoad, RoutedRequest, int, int, float], float]
 
 
 def load_cost_of(knobs: KvAwareConfig) -> LoadCost:
@@ -71,17 +78,48 @@ def prefix_bonus_of(knobs: KvAwareConfig) -> PrefixBonus:
     return prefix_bonus
 
 
-def worker_cost_of(knobs: KvAwareConfig) -> WorkerCost:
-    """cost(w) of the module docstring: worker_cost(load, request, cached, now) for a worker that caches `cached` of
-    the request's prompt tokens."""
-    queue_weight, inflight_weight, backlog_weight = knobs.queue_weight, knobs.inflight_weight, knobs.backlog_weight
-    prefix_bonus = prefix_bonus_of(knobs)
+def evict_cost_of(knobs: KvAwareConfig) -> EvictCost:
+    """The eviction term of cost(): evict_cost(usage, capacity_tokens, hot_tokens, new_tokens) for a worker at
+    projected KV usage `usage` whose engine keeps `hot_tokens` of prefixes routed there more than once (this
+    request's own cached part taken out) and is sent `new_tokens` of KV. vLLM and TurboMind keep a finished
+    request's blocks among the free ones and reuse the least recently used first: what a request needs beyond the
+    free blocks that hold no hot prefix comes out of the hot ones, which a later request then prefills again."""
+    weight = knobs.evict_weight * knobs.backlog_weight
+    credit_base, per_share = knobs.cached_prefill_credit, knobs.credit_per_cache_share
 
-    def worker_cost(load: WorkerLoad, request: RoutedRequest, cached: int, now: float) -> float:
+    def evict_cost(usage: float, capacity: int, hot: int, new: int) -> float:
+        if hot <= 0 or not weight:
+            return 0.0
+        free = capacity * (1.0 - usage)
+        if not free > 0.0:
+            return 0.0  # nothing cached sits in free blocks: it waits for room rather than evicting
+        held = hot if hot < free else free
+        spill = held + new - free
+        if not spill > 0.0:
+            return 0.0
+        share = (spill if spill < held else held) / capacity
+        return weight * (credit_base + per_share * share) * share
+
+    return evict_cost
+
+
+def worker_cost_of(knobs: KvAwareConfig) -> WorkerCost:
+    """cost(w) of the module docstring: worker_cost(load, request, cached, hot, now) for a worker that caches
+    `cached` of the request's prompt tokens and `hot` tokens of prefixes routed there more than once."""
+    queue_weight, inflight_weight, backlog_weight = knobs.queue_weight, knobs.inflight_weight, knobs.backlog_weight
+    prefix_bonus, evict_cost = prefix_bonus_of(knobs), evict_cost_of(knobs)
+
+    def worker_cost(load: WorkerLoad, request: RoutedRequest, cached: int, hot: int, now: float) -> float:
         usage = load.projected_kv_usage(now)
-        return (usage + queue_weight * load.queue_depth(now) + inflight_weight * load.in_flight
-                + backlog_weight * load.prefill_backlog / load.capacity_tokens
-                - prefix_bonus(request, cached, load.capacity_tokens, usage))
+        capacity = load.capacity_tokens
+        cost = (usage + queue_weight * load.queue_depth(now) + inflight_weight * load.in_flight
+                + backlog_weight * load.prefill_backlog / capacity
+                - prefix_bonus(request, cached, capacity, usage))
+        if hot > cached:
+            prompt = request.prompt_tokens
+            new = (prompt - cached if prompt > cached else 0) + request.expected_output_tokens
+            cost += evict_cost(usage, capacity, (hot if hot < capacity else capacity) - cached, new)
+        return cost
 
     return worker_cost
 
@@ -103,6 +141,7 @@ class KvAwarePolicy(Policy):
         if request.prefix_hashes and len(candidates) > 1:
             ids = {w.worker_id for w in candidates}
             cached_of = self.deps.cached_prefix.match(request, ids, now)
+        hot_of = self.deps.prefix_index.hot_by_worker()
         best: Worker | None = None
         best_key: tuple[float, int] = (float("inf"), 0)
         best_cached = 0
@@ -111,7 +150,7 @@ class KvAwarePolicy(Policy):
         for worker in candidates:
             load = worker.load
             cached = cached_of.get(worker.worker_id, 0)
-            cost = self.worker_cost(load, request, cached, now)
+            cost = self.worker_cost(load, request, cached, hot_of.get(worker.worker_id, 0), now)
             scores[worker.worker_id] = cost
             key = (round(cost, 9), load.in_flight)
             if key < best_key:
@@ -137,78 +176,82 @@ class KvAwarePolicy(Policy):
         roster.refresh(now)
         entries = roster.order(self.load_cost)
         excluded = candidates.excluded
+        hot_of = self.deps.prefix_index.hot_by_worker()
         scores: dict[str, float] = {}
-        # the workers the prefix index names: scored as select() scores them
+        # (worker, cached tokens, cost key) of every worker scored: the holders the prefix index names first
+        scored: list[tuple[Worker, int, tuple[float, int]]] = []
         cached_of: dict[str, int] = {}
-        holders: list[tuple[Worker, int, tuple[float, int]]] = []  # (worker, cached tokens, cost key)
         if request.prefix_hashes:
             cached_of = self.deps.cached_prefix.match(request, None, now)
             for wid, cached in cached_of.items():
                 member = roster.member(wid)
                 if member is None or wid in excluded:
                     continue
-                load = member.load
-                cost = self.worker_cost(load, request, cached, now)
-                scores[wid] = cost
-                holders.append((member.worker, cached, (round(cost, 9), load.in_flight)))
-        # every other candidate costs its order key: the first `shortlist` of them are the cheapest
-        shortlist: list[Entry] = []
-        limit = self.config.shortlist
-        i, size = 0, len(entries)
-        while len(shortlist) < limit and i < size:
+                scores[wid] = cost = self.worker_cost(member.load, request, cached, hot_of.get(wid, 0), now)
+                scored.append((member.worker, cached, (round(cost, 9), member.load.in_flight)))
+        best_key = min((key for _, _, key in scored), default=None)
+        # every other candidate costs its order key, plus what it would evict: walk the order while a key is
+        # below the best cost found, and at least `shortlist` of them
+        limit, short, i, size = self.config.shortlist, 0, 0, len(entries)
+        while i < size:
             entry = entries[i]
+            key = entry[:2]
+            if short >= limit and best_key is not None and key >= best_key:
+                break  # no later one costs less (the key is a lower bound), and only those with no eviction tie
             i += 1
-            wid = entry[3].worker.worker_id
-            if wid not in cached_of and wid not in excluded:
-                shortlist.append(entry)
-                scores[wid] = entry[0]
-        best_key = shortlist[0][:2] if shortlist else holders[0][2]
-        for holder in holders:
-            if holder[2] < best_key:
-                best_key = holder[2]
-        tied_holders = [(w, cached) for w, cached, key in holders if key == best_key] if holders else []
-        tied_short = 0  # the shortlist is sorted: its ties at the minimum are its first entries
-        for entry in shortlist:
-            if entry[0] != best_key[0] or entry[1] != best_key[1]:
-                break
-            tied_short += 1
-        tied = len(tied_holders) + tied_short
-        if tied_short == limit:
-            # the tie at the minimum may reach past the shortlist: pick among all of it, as select() would
-            best, best_cached = self._among_tied(roster, entries, best_key, tied_holders, cached_of, excluded)
-        elif tied == 1:
-            best, best_cached = tied_holders[0] if tied_holders else (shortlist[0][3].worker, 0)
+            worker = entry[3].worker
+            wid = worker.worker_id
+            if wid in cached_of or wid in excluded:
+                continue
+            short += 1
+            if wid in hot_of:
+                cost = self.worker_cost(entry[3].load, request, 0, hot_of[wid], now)
+                key = (round(cost, 9), entry[1])
+            scores[wid] = key[0]
+            scored.append((worker, 0, key))
+            if best_key is None or key < best_key:
+                best_key = key
+        assert best_key is not None
+        tied = [(w, cached) for w, cached, key in scored if key == best_key]
+        if i < size and entries[i][:2] == best_key:
+            # the tie at the minimum may reach past what was scored: pick among all of it, as select() would
+            best, best_cached = self._among_tied(roster, entries, i, best_key, tied, cached_of, excluded, request,
+                                                 hot_of, now)
         else:  # ties: each of the tied workers equally likely
-            k = int(self.deps.rng.random() * tied)
-            best, best_cached = tied_holders[k] if k < len(tied_holders) else (shortlist[k - len(tied_holders)][3].worker, 0)
+            best, best_cached = tied[int(self.deps.rng.random() * len(tied))] if len(tied) > 1 else tied[0]
         if log.isEnabledFor(logging.DEBUG):
-            scored = [w for w, _, _ in holders] + [e[3].worker for e in shortlist]
             log.debug("model=%s prompt_tokens=%d scored %d of %d candidates: %s -> %s (cached %d tokens)",
                       request.model, request.prompt_tokens, len(scored), len(candidates),
-                      self._explain(scored, scores, cached_of, request, now), best.worker_id, best_cached)
+                      self._explain([w for w, _, _ in scored], scores, cached_of, request, now), best.worker_id,
+                      best_cached)
         prefill = max(0, request.prompt_tokens - best_cached)
         return Decision(best, "lowest_cost", prefill + request.expected_output_tokens, scores, prefill_tokens=prefill,
                         cached_tokens=best_cached if request.prefix_hashes else None)
 
-    def _among_tied(self, roster: Roster, entries: Sequence[Entry], key: tuple[float, int],
-                    tied_holders: Sequence[tuple[Worker, int]], cached_of: dict[str, int],
-                    excluded: Collection[str]) -> tuple[Worker, int]:
-        """(worker, cached tokens) uniformly among the candidates whose cost key is `key`: the holders
-        given, and the untried non-holders in the order's range of that load key."""
-        lo = bisect_left(entries, key)
+    def _among_tied(self, roster: Roster, entries: Sequence[Entry], scanned: int, key: tuple[float, int],
+                    tied: Sequence[tuple[Worker, int]], cached_of: dict[str, int], excluded: Collection[str],
+                    request: RoutedRequest, hot_of: Mapping[str, int], now: float) -> tuple[Worker, int]:
+        """(worker, cached tokens) uniformly among the candidates whose cost key is `key`: the `tied` ones scored
+        (entries before `scanned`), and the unscanned non-holders in the order's range of that load key that
+        would evict nothing (the others cost more than their key)."""
         hi = bisect_left(entries, (key[0], key[1] + 1))
-        outside = 0  # members in [lo, hi) that are not tied candidates there: tried, or holders (scored apart)
-        for wid in {*excluded, *cached_of}:
+        costlier: set[str] = set()  # unscanned members of the range that are not tied candidates there
+        for wid in itertools.chain(excluded, cached_of, hot_of):
             member = roster.member(wid)
-            if member is not None and member.key is not None and member.key[:2] == key:
-                outside += 1
+            if member is None or member.key is None or member.key[:2] != key or wid in costlier:
+                continue
+            if bisect_left(entries, member.key) < scanned:
+                continue  # scanned already: among `tied` if it ties
+            if (wid in excluded or wid in cached_of
+                    or round(self.worker_cost(member.load, request, 0, hot_of[wid], now), 9) != key[0]):
+                costlier.add(wid)
         rng = self.deps.rng
-        pick = rng.randrange(len(tied_holders) + (hi - lo) - outside)
-        if pick < len(tied_holders):
-            return tied_holders[pick]
+        pick = rng.randrange(len(tied) + (hi - scanned) - len(costlier))
+        if pick < len(tied):
+            return tied[pick]
         while True:  # uniform over the range's candidates: draw until one is (most are)
-            worker = entries[lo + rng.randrange(hi - lo)][3].worker
-            if worker.worker_id not in excluded and worker.worker_id not in cached_of:
+            worker = entries[scanned + rng.randrange(hi - scanned)][3].worker
+            if worker.worker_id not in costlier:
                 return worker, 0
 
     def on_dispatch(self, decision: Decision, request: RoutedRequest, now: float) -> None:
@@ -228,5 +271,6 @@ class KvAwarePolicy(Policy):
             ttft = self.deps.estimator.for_worker(w.worker_id).prefill_s(load.prefill_backlog + uncached, media)
             parts.append(f"{w.worker_id}: cost={scores[w.worker_id]:.4f} ttft~{ttft * 1000:.0f}ms "
                          f"kv={load.projected_kv_usage(now):.3f} queue={load.queue_depth(now)} "
-                         f"backlog={load.prefill_backlog} cached={cached}")
+                         f"backlog={load.prefill_backlog} cached={cached} "
+                         f"hot={self.deps.prefix_index.hot_tokens(w.worker_id)}")
         return "; ".join(parts)

@@ -53,7 +53,8 @@ def chat(i: int, system: str | None, max_tokens: int = 64):
 class Fleet:
     """A registry of n workers (some scraped rather than reporting), admission and kv_aware over it."""
 
-    def __init__(self, n: int, seed: int, max_model_len: dict[int, int] | None = None) -> None:
+    def __init__(self, n: int, seed: int, max_model_len: dict[int, int] | None = None,
+                 capacity: int = 100_000) -> None:
         self.rng = random.Random(seed)
         self.clock = Clock()
         self.registry = Registry(clock=self.clock)
@@ -63,7 +64,7 @@ class Fleet:
         self.dispatches: list[tuple[Worker, Dispatch]] = []
         for i in range(n):
             self.registry.register(WorkerRegistration(
-                worker_id=f"w{i}", url=f"http://w{i}", models=["m"], engine="sim", kv_capacity_tokens=100_000,
+                worker_id=f"w{i}", url=f"http://w{i}", models=["m"], engine="sim", kv_capacity_tokens=capacity,
                 max_model_len=(max_model_len or {}).get(i % 4), reports=False))
 
     def workers(self) -> list[Worker]:
@@ -84,7 +85,7 @@ class Fleet:
                 self.dispatches.append((worker, worker.load.start_request(rng.choice([0, 500, 2000]), clock.now)))
                 if rng.random() < 0.3:
                     seen = chat(0, rng.choice(SYSTEMS))
-                    self.deps.prefix_index.insert(seen.prefix_hashes, worker.worker_id, clock.now)
+                    self.deps.prefix_index.insert(seen.prefix_hashes, worker.worker_id, clock.now, seen.prefix_tokens)
             elif kind < 0.85 and self.dispatches:
                 w, d = self.dispatches.pop(rng.randrange(len(self.dispatches)))
                 w.load.finish_request(d)
@@ -104,11 +105,13 @@ def full_scan_best(fleet: Fleet, candidates, request) -> tuple[tuple[float, int]
     return best, scores
 
 
-@pytest.mark.parametrize(("seed", "size"), [(s, None) for s in range(6)] + [(6, 5), (7, 12)])
-def test_the_shortlist_picks_a_worker_as_cheap_as_the_full_scans_best(seed, size):
+@pytest.mark.parametrize(("seed", "size", "capacity"), [(s, None, 100_000) for s in range(6)]
+                         + [(6, 5, 100_000), (7, 12, 100_000)] + [(s, 10, 4_000) for s in range(8, 12)])
+def test_the_shortlist_picks_a_worker_as_cheap_as_the_full_scans_best(seed, size, capacity):
+    """(With 4,000 tokens of KV a worker's hot prefixes fill its free blocks: most decisions weigh evictions.)"""
     rng = random.Random(seed)
-    fleet = Fleet(size or rng.randint(50, 200), seed)
-    checked = 0
+    fleet = Fleet(size or rng.randint(50, 200), seed, capacity=capacity)
+    checked = evicting = 0
     for round_ in range(40):
         fleet.churn(rng.randint(5, 80))
         for i in range(5):
@@ -120,11 +123,16 @@ def test_the_shortlist_picks_a_worker_as_cheap_as_the_full_scans_best(seed, size
             best, scores = full_scan_best(fleet, candidates, request)
             assert fast.worker.worker_id not in tried
             assert (round(scores[fast.worker.worker_id], 9), fast.worker.load.in_flight) == best
-            # what it expects to add there counts the same cached prefix as the full scan would
-            assert len(fast.scores or {}) <= KV_AWARE.shortlist + len(fleet.deps.prefix_index.match(
-                request.prefix_hashes, None, fleet.clock.now))
+            # beyond the shortlist and the holders, it scores only workers whose load key is below the best cost
+            keys = {w.worker_id: load_cost(w.load) for w in candidates.workers}
+            below = sum(1 for wid, key in keys.items() if round(key, 9) < best[0])
+            holders = len(fleet.deps.prefix_index.match(request.prefix_hashes, None, fleet.clock.now))
+            assert len(fast.scores or {}) <= KV_AWARE.shortlist + holders + below
+            evicting += sum(1 for wid, cost in scores.items() if round(cost, 9) > round(keys[wid], 9)
+                            and not fleet.deps.prefix_index.match(request.prefix_hashes, {wid}, fleet.clock.now))
             checked += 1
     assert checked == 200
+    assert (evicting > 100) == (capacity < 10_000)  # the eviction term was in play where caches are small
 
 
 def test_a_tie_at_the_minimum_is_shared_by_every_tied_worker_not_only_the_first_in_the_order():
@@ -141,6 +149,36 @@ def test_a_tie_at_the_minimum_is_shared_by_every_tied_worker_not_only_the_first_
     idle = {w.worker_id for w in fleet.workers()[20:]} - {"w30", "w31"}
     assert set(picks) == idle  # every tied worker gets some, no busy or tried one any
     assert max(picks.values()) < 3 * 3000 / len(idle)
+
+
+def test_an_idle_worker_whose_cache_is_full_of_reused_prefixes_is_not_where_a_long_prompt_goes():
+    """Equal loads; ten workers keep prefixes routed to them twice, which a 3,000-token prompt would push out of
+    their 4,000 tokens of KV: the prompt goes to any of the others, shared evenly, as the full scan would."""
+    fleet = Fleet(120, 3, capacity=4_000)
+    for worker in fleet.workers():
+        fleet.registry.record_scrape(worker, EngineReading(0.0, 0, 0))
+    keeping = [f"w{i}" for i in range(40, 50)]
+    for wid in keeping:
+        for system in SYSTEMS[8:10]:
+            seen = chat(0, system)
+            for _ in range(2):
+                fleet.deps.prefix_index.insert(seen.prefix_hashes, wid, fleet.clock.now, seen.prefix_tokens)
+    assert all(fleet.deps.prefix_index.hot_tokens(wid) > 1_000 for wid in keeping)
+    long_prompt = parse_request(orjson.dumps({"model": "m", "max_tokens": 64, "messages": [
+        {"role": "user", "content": " ".join(f"word{j}" for j in range(600))}]}), CHAT)
+    assert 2_500 < long_prompt.prompt_tokens < 3_800
+    candidates = fleet.candidates(long_prompt)
+    picks = Counter(fleet.policy.select_from(candidates, long_prompt, fleet.clock.now).worker.worker_id
+                    for _ in range(3000))
+    assert not set(picks) & set(keeping)
+    assert set(picks) == {w.worker_id for w in fleet.workers()} - set(keeping)
+    assert max(picks.values()) < 3 * 3000 / 110
+    assert fleet.policy.select(list(candidates.workers), long_prompt, fleet.clock.now).worker.worker_id not in keeping
+    # a short prompt fits beside their prefixes: they are as good as any
+    short = chat(2, None)
+    picks = Counter(fleet.policy.select_from(fleet.candidates(short), short, fleet.clock.now).worker.worker_id
+                    for _ in range(3000))
+    assert set(keeping) <= set(picks)
 
 
 def assert_order_is_true(fleet: Fleet, roster: Roster) -> None:
