@@ -204,8 +204,9 @@ class KvAwarePolicy(Policy):
             if wid in cached_of or wid in excluded:
                 continue
             short += 1
-            if wid in hot_of:
-                cost = self.worker_cost(entry[3].load, request, 0, hot_of[wid], now)
+            hot = hot_of.get(wid)
+            if hot:  # (a worker whose reused prefixes were all forgotten stays in hot_of at 0)
+                cost = self.worker_cost(entry[3].load, request, 0, hot, now)
                 key = (round(cost, 9), entry[1])
             scores[wid] = key[0]
             scored.append((worker, 0, key))
@@ -236,7 +237,7 @@ class KvAwarePolicy(Policy):
         would evict nothing (the others cost more than their key)."""
         hi = bisect_left(entries, (key[0], key[1] + 1))
         costlier: set[str] = set()  # unscanned members of the range that are not tied candidates there
-        for wid in itertools.chain(excluded, cached_of, hot_of):
+        for wid in itertools.chain(excluded, cached_of, (w for w, hot in hot_of.items() if hot)):
             member = roster.member(wid)
             if member is None or member.key is None or member.key[:2] != key or wid in costlier:
                 continue
