@@ -20,6 +20,11 @@ requests (each shared prefix counted once, for the first request presenting it),
 worker's full-budget prefill rate (a step of max_num_batched_tokens new tokens; smaller steps are slower
 per token, and attention's quadratic part is left out).
 
+A trace family (trace_conversation, trace_synthetic) is floored the same way over the window a result file
+names (--result) or --trace-start/--trace-duration give: each request's leading 512-token blocks that an
+earlier request of the window presented count as cached, the rest is prefilled alone. Its bar is issue 34's
+(0.8x the best peer, at p90 and p99).
+
 Run: python -m bench.ttft_floor [--result bench/results/<quality>.json] [--families ...]
 """
 
@@ -36,10 +41,12 @@ from backends.sim.kvcache import block_hashes
 from backends.sim.presets import Preset, get_preset
 from backends.sim.tokens import chat_prompt
 from bench.loadgen import percentile
+from bench.traces import BLOCK_TOKENS, TRACE_DIR, TRACE_FAMILIES, read_trace, trace_path
 from bench.workloads import KINDS, load_or_generate
 
 PRESET = "h100-qwen3-vl-8b"
 BAR = 0.7  # issue 9: kvroute's TTFT p99 at most this times the best peer's
+TRACE_BAR = 0.8  # issue 34, on a recorded trace: TTFT p90 and p99 at most this times the best peer's
 
 
 def request_floor_s(preset: Preset, prompt_ids: list[int], media_spans: list[tuple[int, int]],
@@ -78,6 +85,26 @@ def family_floors(kind: str, preset: Preset, seed: int = 1, n: int = 1000) -> li
     return floors
 
 
+def trace_floors(family: str, preset: Preset, start_s: float, duration_s: float,
+                 trace_dir: Path = TRACE_DIR) -> list[float]:
+    """Each request's floor (seconds) in a trace's window, in arrival order, over the requests the quality bench
+    keeps (prompt and output within the preset's context)."""
+    end = start_s + duration_s
+    seen: set[int] = set()
+    floors = []
+    for r in read_trace(trace_path(family, trace_dir)):
+        if not start_s <= r.t_s < end or r.input_length + max(1, r.output_length) > preset.max_model_len:
+            continue
+        cached = 0
+        for h in r.hash_ids:
+            if h not in seen:
+                break
+            cached += 1
+        seen.update(r.hash_ids)
+        floors.append(request_floor_s(preset, [0] * r.input_length, [], min(cached * BLOCK_TOKENS, r.input_length)))
+    return floors
+
+
 def closed_wave_floor_s(kind: str, preset: Preset, clients: int, workers: int, seed: int = 1, n: int = 1000,
                         slower: int = 10) -> float:
     """Lower bound on a closed loop's TTFT p99 set by its first wave (see module docstring)."""
@@ -106,13 +133,34 @@ def p99(values: list[float]) -> float:
     return percentile(values, 99.0) or 0.0
 
 
-def _cells(result: dict[str, Any]) -> dict[tuple[str, str], dict[str, list[float]]]:
+def _cells(result: dict[str, Any], key: str = "ttft_p99") -> dict[tuple[str, str], dict[str, list[float]]]:
     cells: dict[tuple[str, str], dict[str, list[float]]] = {}
     for row in result["rows"]:
-        if row.get("ttft_p99") is None:
+        if row.get(key) is None:
             continue
-        cells.setdefault((row["family"], str(row["load"])), {}).setdefault(row["route"], []).append(row["ttft_p99"])
+        cells.setdefault((row["family"], str(row["load"])), {}).setdefault(row["route"], []).append(row[key])
     return cells
+
+
+def compare_traces(result: dict[str, Any], floors: dict[str, list[float]]) -> list[str]:
+    """Markdown rows: per trace cell and percentile, the window's floor against 0.8 x the best peer's mean and
+    kvroute's."""
+    lines = ["| family | load | percentile | floor ms | best peer ms | 0.8 x best peer ms | kvroute default ms "
+             "| bar reachable |", "|---|---|---|---|---|---|---|---|"]
+    for pct, key in ((90, "ttft_p90"), (99, "ttft_p99")):
+        for (family, load), routes in sorted(_cells(result, key).items()):
+            if family not in floors:
+                continue
+            peers = {r: sum(v) / len(v) for r, v in routes.items() if not r.startswith(("kvroute", "oracle"))}
+            if not peers:
+                continue
+            best = min(peers.values())
+            mine = routes.get("kvroute:default")
+            floor_ms, bar_ms = (percentile(floors[family], float(pct)) or 0.0) * 1e3, TRACE_BAR * best * 1e3
+            kv = f"{sum(mine) / len(mine) * 1e3:.0f}" if mine else "-"
+            lines.append(f"| {family} | {load} | p{pct} | {floor_ms:.0f} | {best * 1e3:.0f} | {bar_ms:.0f} | {kv} | "
+                         f"{'yes' if bar_ms >= floor_ms else 'no: below the floor'} |")
+    return lines
 
 
 def compare(result: dict[str, Any], floors: dict[str, float], closed: dict[str, float] | None = None) -> list[str]:
@@ -144,8 +192,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--result", type=Path, help="a `kvroute bench quality` JSON to compare with")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--clients-per-worker", type=int, default=32, help="the closed loop's (quality.py's)")
+    parser.add_argument("--trace-start", type=float, help="a trace window's start (default: the result's)")
+    parser.add_argument("--trace-duration", type=float, help="a trace window's length (default: the result's)")
+    parser.add_argument("--trace-dir", type=Path, default=TRACE_DIR)
     args = parser.parse_args(argv)
     preset = get_preset(PRESET)
+    result = json.loads(args.result.read_text()) if args.result else None
+    traces = [f for f in args.families.split(",") if f in TRACE_FAMILIES]
+    if traces:
+        return _main_traces(args, preset, traces, result)
     floors: dict[str, float] = {}
     closed: dict[str, float] = {}
     print("# TTFT floor: what no router can beat on the sim\n")
@@ -162,9 +217,38 @@ def main(argv: list[str] | None = None) -> int:
         closed[kind] = closed_wave_floor_s(kind, preset, args.workers * args.clients_per_worker, args.workers)
         print(f"| {kind} | {sorted(values)[len(values) // 2] * 1e3:.1f} | {floors[kind] * 1e3:.1f} | "
               f"{max(values) * 1e3:.1f} | {sum(v > 0.030 for v in values)} | {closed[kind] * 1e3:.1f} |")
-    if args.result:
+    if result is not None:
         print(f"\nAgainst {args.result.name} (means over repeats):\n")
-        print("\n".join(compare(json.loads(args.result.read_text()), floors, closed)))
+        print("\n".join(compare(result, floors, closed)))
+    return 0
+
+
+def _window(result: dict[str, Any] | None, family: str, args: argparse.Namespace) -> tuple[float, float]:
+    row = next((r for r in (result or {}).get("rows", []) if r.get("family") == family), {})
+    start = args.trace_start if args.trace_start is not None else row.get("trace_start_s")
+    duration = args.trace_duration if args.trace_duration is not None else row.get("trace_duration_s")
+    if start is None or duration is None:
+        raise SystemExit(f"{family}: give --trace-start and --trace-duration, or a --result that ran it")
+    return float(start), float(duration)
+
+
+def _main_traces(args: argparse.Namespace, preset: Preset, traces: list[str], result: dict[str, Any] | None) -> int:
+    print("# TTFT floor on trace windows: what no router can beat on the sim\n")
+    print("Command: `python -m bench.ttft_floor" + "".join(f" {a}" for a in (sys.argv[1:] if args else []))
+          + "`. How it is computed: the module docstring of bench/ttft_floor.py.\n")
+    print("| family | window s | requests | floor p50 ms | floor p90 ms | floor p99 ms | floor max ms |")
+    print("|---|---|---|---|---|---|---|")
+    floors: dict[str, list[float]] = {}
+    for family in traces:
+        start, duration = _window(result, family, args)
+        values = trace_floors(family, preset, start, duration, args.trace_dir)
+        floors[family] = values
+        print(f"| {family} | {start:.0f}-{start + duration:.0f} | {len(values)} | "
+              + " | ".join(f"{(percentile(values, q) or 0.0) * 1e3:.0f}" for q in (50.0, 90.0, 99.0))
+              + f" | {max(values) * 1e3:.0f} |")
+    if result is not None:
+        print(f"\nAgainst {args.result.name} (means over repeats):\n")
+        print("\n".join(compare_traces(result, floors)))
     return 0
 
 
