@@ -18,8 +18,6 @@ from tests.support.procs import KVROUTE
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-pytest.importorskip("matplotlib")
-
 
 def _plot(result: Path, out: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*KVROUTE, "bench", "plot", str(result), "--out", str(out)],

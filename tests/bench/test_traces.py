@@ -125,3 +125,32 @@ def test_trace_families_come_from_their_files_and_a_missing_one_says_how_to_get_
         load_window("trace_synthetic", files["trace_synthetic"], 0.0, 300.0, 32768, 65536, "m", BlockVocabulary())
     with pytest.raises(SystemExit, match="unknown family 'trace_nope'"):
         select_families(args(families="trace_nope"))
+
+
+def test_a_trace_windows_floor_prices_only_blocks_no_earlier_request_of_the_window_presented(tmp_path):
+    from backends.sim.presets import get_preset
+    from bench.ttft_floor import compare_traces, request_floor_s, trace_floors
+
+    preset = get_preset("h100-qwen3-vl-8b")
+    rows = [{"timestamp": 1000, "input_length": 2048, "output_length": 8, "hash_ids": [1, 2, 3, 4]},
+            {"timestamp": 2000, "input_length": 2100, "output_length": 8, "hash_ids": [1, 2, 3, 4, 5]},  # 52 new
+            {"timestamp": 3000, "input_length": 1024, "output_length": 8, "hash_ids": [9, 2]},  # 2 after a miss
+            {"timestamp": 4000, "input_length": 32000, "output_length": 8000, "hash_ids": list(range(20, 83))},
+            {"timestamp": 9000, "input_length": 512, "output_length": 8, "hash_ids": [1]}]  # after the window
+    write_trace(tmp_path / "conversation_trace.jsonl", rows)
+    floors = trace_floors("trace_conversation", preset, 1.0, 5.0, tmp_path)
+    # the fourth request does not fit the context (it would be refused, and the bench leaves it out)
+    assert len(floors) == 3
+    assert floors[0] == request_floor_s(preset, [0] * 2048, [], 0)
+    assert floors[1] == request_floor_s(preset, [0] * 2100, [], 2048) < floors[0] / 5
+    assert floors[2] == request_floor_s(preset, [0] * 1024, [], 0)
+    # the first window second only
+    assert trace_floors("trace_conversation", preset, 1.0, 1.0, tmp_path) == floors[:1]
+    result = {"rows": [{"family": "trace_conversation", "load": 0.5, "route": route, "ttft_p90": p90, "ttft_p99": p99}
+                       for route, p90, p99 in (("kvroute:default", 0.05, 0.09), ("vllm-router:kv_aware", 0.06, 0.1),
+                                               ("oracle", 0.001, 0.001))]}
+    table = compare_traces(result, {"trace_conversation": floors})
+    assert len(table) == 4 and table[2].startswith("| trace_conversation | 0.5 | p90 |")
+    # 0.8 x the best peer (the oracle is none) against the floor's percentile: the largest floor here is 72 ms
+    assert table[2].endswith(" | 60 | 48 | 50 | no: below the floor |")
+    assert table[3].endswith(" | 100 | 80 | 90 | yes |")

@@ -8,6 +8,7 @@ import re
 import shlex
 from pathlib import Path
 
+import kubernetes  # the dev extra installs the kubernetes client (make setup)
 import pytest
 import yaml
 
@@ -21,8 +22,6 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MANIFESTS = sorted((DEPLOY / "k8s").glob("*.yaml"))
 ENV = {"KVROUTE_ADMIN_TOKEN": "a", "KVROUTE_WORKER_TOKEN": "w", "KVROUTE_REDIS_PASSWORD": "r",
        "KVROUTE_STATE_KEY": "s" * 32}
-
-kubernetes = pytest.importorskip("kubernetes", reason="the dev extra installs the kubernetes client")
 
 
 def docs() -> list[tuple[str, dict]]:

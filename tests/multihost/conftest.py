@@ -17,7 +17,7 @@ from tests.support.netns import Network, namespaces_error, network
 def _namespaces_allowed() -> None:
     why = namespaces_error()
     if why is not None:
-        pytest.skip(why)
+        pytest.fail(why)  # real network namespaces are what these tests run on: forbidden here, they fail
 
 
 @pytest.fixture

@@ -202,7 +202,7 @@ def network(group: ProcessGroup, names: list[str]) -> Iterator[Network]:
 
 
 def namespaces_error() -> str | None:
-    """None where namespaces work; otherwise why not (the text a test skips with)."""
+    """None where namespaces work; otherwise why not (the text a test fails with)."""
     try:
         check_namespaces_allowed()
     except NamespacesUnavailable as exc:

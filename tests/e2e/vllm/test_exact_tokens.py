@@ -8,7 +8,6 @@ answer). max_model_len 512 keeps the prompts at the boundary cheap to prefill.
 from __future__ import annotations
 
 import base64
-import importlib.util
 import io
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +29,6 @@ from tests.support.procs import (
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.timeout(420),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed in this venv"),
 ]
 
 MODEL_DIR = REPO / "models" / "tiny-qwen3-vl"

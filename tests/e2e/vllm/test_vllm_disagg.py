@@ -11,7 +11,6 @@ decode worker, whose greedy tokens equal the aggregated answer's, and the answer
 
 from __future__ import annotations
 
-import importlib.util
 import textwrap
 from collections.abc import Iterator
 
@@ -24,7 +23,6 @@ from tests.support.procs import KVROUTE, ProcessGroup, wait_until
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.timeout(600),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed in this venv"),
 ]
 
 ENGINE_KEY = "e2e-disagg-key"  # the operator's engine key: the test may call the engines directly

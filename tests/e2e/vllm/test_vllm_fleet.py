@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -42,7 +41,6 @@ from tests.support.procs import (
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.timeout(420),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed in this venv"),
 ]
 
 MODEL_DIR = REPO / "models" / "tiny-qwen3-vl"

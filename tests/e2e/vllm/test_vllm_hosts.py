@@ -6,8 +6,6 @@ Slow (~30-70 s for the engine to start, ~3 GB of memory); run: .venv/bin/pytest 
 
 from __future__ import annotations
 
-import importlib.util
-
 import httpx
 import pytest
 
@@ -18,13 +16,12 @@ from tests.support.procs import KVROUTE, wait_until
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.timeout(420),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed in this venv"),
 ]
 
 
 def test_a_vllm_worker_on_another_host_answers_an_image_through_the_proxy(procs, tmp_path):
     if (why := namespaces_error()) is not None:
-        pytest.skip(why)
+        pytest.fail(why)  # real network namespaces are part of this test: forbidden here, it fails
     assert (MODEL_DIR / "config.json").exists(), "run `make setup` (it builds models/tiny-qwen3-vl)"
     with network(procs, ["a", "b"]) as net:
         a, b = net["a"], net["b"]
