@@ -217,13 +217,21 @@ def _hit(hits: list[float], queries: list[float]) -> float | None:
     return sum(hits) / sum(queries) if sum(queries) else None
 
 
+# requests per fixed-rate cell, and per sweep step: at 160 a step at 3x the mixed family's rate lasts 1.8 simulated
+# seconds, a burst that a fleet sustaining 60 req/s absorbed at 93% attainment (bench/results/2026-12-04-disagg-sweep-
+# mixed.md against 2026-12-04-disagg-sweep-mixed-480.md)
+FIXED_REQUESTS, SWEEP_REQUESTS = 160, 480
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--families", default=",".join(KINDS), help=f"comma-separated, from {', '.join(KINDS)}")
     p.add_argument("--routes", default=",".join(ROUTES),
                    help="comma-separated: aggregated, kvroute:SHAPE (conditional), kvroute-split:SHAPE (always "
                         "split), vllm-router:SHAPE (its PD mode); SHAPE 2p6d, 3p5d or 4p4d")
     p.add_argument("--repeats", type=int, default=REPEATS)
-    p.add_argument("--requests", type=int, default=160, help="requests per cell")
+    p.add_argument("--requests", type=int, default=None,
+                   help=f"requests per cell (default {FIXED_REQUESTS}), or per step of --sweep (default {SWEEP_REQUESTS}: a "
+                        "step must outlast the queue it builds, or it measures a burst the fleet absorbs)")
     p.add_argument("--time-scale", type=float, default=0.25,
                    help="sim time scale, the same for every route (below 1 when the host cannot keep 8 sims up)")
     p.add_argument("--rate", default="", help="FAMILY=REQ_PER_SIMULATED_S,... over the defaults "
@@ -250,6 +258,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     args.rate = {k: float(v) for k, v in (item.split("=") for item in args.rate.split(",") if item)}
     args.sweep = parse_multipliers(args.sweep)
+    if args.requests is None:
+        args.requests = SWEEP_REQUESTS if args.sweep else FIXED_REQUESTS
     if not 0 < args.attainment <= 1:
         raise SystemExit(f"--attainment {args.attainment}: a share of requests, above 0 and at most 1")
     families = [f for f in args.families.split(",") if f]

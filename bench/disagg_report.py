@@ -76,9 +76,9 @@ def bars(family: str, scores: dict[str, float], what: str) -> list[str]:
             continue
         ours = scores[f"kvroute:{shape}"]
         r = ratio(ours, theirs)
+        shown = "-" if r is None else "vllm-router none" if r == float("inf") else f"{r:.2f}x"
         out.append(f"- {family}, {shape}: kvroute (conditional) {ours:.2f} req/s {what} vs vllm-router PD "
-                   f"{theirs:.2f}: {'-' if r is None else f'{r:.2f}'}x (bar: 1.2x) "
-                   f"{'PASS' if r is not None and r >= 1.2 else 'FAIL'}")
+                   f"{theirs:.2f}: {shown} (bar: 1.2x) {'PASS' if r is not None and r >= 1.2 else 'FAIL'}")
     conditional = {r: v for r, v in scores.items() if r.startswith("kvroute:")}
     fixed = {r: v for r, v in scores.items() if r.startswith("kvroute-split:") or r == "aggregated"}
     if conditional and fixed:

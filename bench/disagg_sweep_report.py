@@ -46,6 +46,8 @@ def _versus(route: str, medians: dict[str, float]) -> str:
     base = baseline_of(route, medians)
     if base is None:
         return "-"
+    if medians[base] == 0 and medians[route] > 0:
+        return f"{base} sustained none"  # it missed the SLO at the first step: no finite ratio
     r = ratio(medians[route], medians[base])
     return f"{'-' if r is None else f'{r:.2f}x'} {base}"
 

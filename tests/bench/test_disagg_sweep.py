@@ -167,3 +167,15 @@ def test_a_sweep_renders_each_routes_sustained_rate_its_ratio_and_its_attainment
 @pytest.mark.parametrize("stem", ["2026-12-03-disagg", "2026-12-03-disagg-mixed-multiturn"])
 def test_a_run_without_sweep_renders_exactly_as_committed(stem):
     assert render(json.loads((RESULTS / f"{stem}.json").read_text())) == (RESULTS / f"{stem}.md").read_text()
+
+
+def test_a_vllm_router_that_sustains_nothing_is_named_so_not_as_an_infinite_ratio():
+    data = _sweep_result()
+    for record in data["sustained"]:
+        if record["route"] == "vllm-router:2p6d":
+            record["sustained_rate"] = 0.0
+    data["sustained"] = [r for r in data["sustained"] if r["route"] != "vllm-router:3p5d"]
+    data["rows"] = [r for r in data["rows"] if r["route"] != "vllm-router:3p5d"]
+    md = render(data)
+    assert _table_row(md, "kvroute:2p6d")[2] == "vllm-router:2p6d sustained none"
+    assert "infx" not in md
