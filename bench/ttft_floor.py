@@ -234,7 +234,7 @@ def _window(result: dict[str, Any] | None, family: str, args: argparse.Namespace
 
 def _main_traces(args: argparse.Namespace, preset: Preset, traces: list[str], result: dict[str, Any] | None) -> int:
     print("# TTFT floor on trace windows: what no router can beat on the sim\n")
-    print("Command: `python -m bench.ttft_floor" + "".join(f" {a}" for a in (sys.argv[1:] if args else []))
+    print("Command: `python -m bench.ttft_floor" + "".join(f" {a}" for a in sys.argv[1:])
           + "`. How it is computed: the module docstring of bench/ttft_floor.py.\n")
     print("| family | window s | requests | floor p50 ms | floor p90 ms | floor p99 ms | floor max ms |")
     print("|---|---|---|---|---|---|---|")
