@@ -1,6 +1,6 @@
 """Watches the config file and hands each new valid version to the fleet manager.
 
-Owns polling (mtime/size every second, then a content hash, so a `touch` is not a change)
+Owns polling (mtime/size/inode every second, then a content hash, so a `touch` is not a change)
 and reporting bad edits; it does not decide what a new config means (reconcile.py does).
 """
 
@@ -30,12 +30,17 @@ class ConfigWatcher:
         self.path = path
         self.apply = apply
         self.interval_s = interval_s
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[int, int, int] | None = None  # mtime, size, inode (a rename is a new one)
         self._digest = hashlib.sha256(initial_text.encode()).hexdigest() if initial_text is not None else None
         self.last_error: str | None = None
         self.last_error_at: float | None = None  # unix time of the rejected edit
         self.on_rejected = on_rejected
         self._task: asyncio.Task[None] | None = None
+
+    def note_written(self, text: str) -> None:
+        """The fleet manager wrote `text` to the file itself (`kvroute scale`) and already runs it. Without this, an
+        edit back to the text seen before it, within one poll, would read as no change and be lost."""
+        self._digest = hashlib.sha256(text.encode()).hexdigest()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="config-watch")
@@ -51,7 +56,7 @@ class ConfigWatcher:
     async def _run(self) -> None:
         try:
             st = await asyncio.to_thread(os.stat, self.path)
-            self._stamp = (st.st_mtime_ns, st.st_size)
+            self._stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
         except OSError:
             self._stamp = None
         while True:
@@ -67,7 +72,7 @@ class ConfigWatcher:
             st = await asyncio.to_thread(os.stat, self.path)
         except OSError:
             return False  # being replaced by an editor, or deleted: keep the fleet as it is
-        stamp = (st.st_mtime_ns, st.st_size)
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
         if stamp == self._stamp:
             return False
         self._stamp = stamp

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from proxy.config import parse_config
@@ -76,3 +78,22 @@ def test_a_pools_count_is_written_in_that_pool_whatever_its_style():
     for role in (None, "both"):
         with pytest.raises(ScaleWriteError):
             set_replicas(POOLS, "q", 2, role)
+
+
+async def test_an_edit_back_to_the_text_before_a_scale_is_applied_even_within_one_poll(tmp_path):
+    """`kvroute scale` writes 3 into the file; an operator puts 2 back before the watcher's next look. The file's text
+    is then the text the watcher saw first, but the fleet runs 3: the edit must be applied, not read as no change."""
+    from proxy.fleet.config_watch import ConfigWatcher
+
+    path = tmp_path / "fleet.yaml"
+    path.write_text(CONFIG)
+    applied: list[list[int]] = []
+    watcher = ConfigWatcher(path, lambda config: applied.append([m.replicas for m in config.models]),
+                            initial_text=CONFIG)
+    assert not await watcher.check()  # the file as it started: nothing to do
+    watcher.note_written(write_replicas(path, "small", 3))  # what /fleet/scale does after scaling the fleet itself
+    path.write_text(CONFIG)  # the edit back, before any poll saw the 3
+    assert await watcher.check() and applied == [[2, 1]]
+    assert not await watcher.check()  # and once only
+    os.utime(path)  # a touch is no edit
+    assert not await watcher.check() and applied == [[2, 1]]
