@@ -91,9 +91,9 @@ async def post_scale(request: web.Request) -> web.Response:
     if path is not None:  # the file keeps saying what runs, so its next edit does not undo this scale
         name = manager.desired.model(model).name  # type: ignore[union-attr]  # scale() found it
         try:
-            written = await asyncio.to_thread(write_replicas, path, name, replicas, role)
-            if manager.config_written is not None:  # the watcher: an edit back to the old text is a change
-                manager.config_written(written)
+            await asyncio.to_thread(write_replicas, path, name, replicas, role)
+            if manager.config_rewritten is not None:  # the watcher: an edit back to the old text is a change
+                manager.config_rewritten()
             what = f"the {role} pool of {name}" if role and role != "both" else name
             plan["config file"] = f"{path}: replicas of {what} set to {replicas} (comments kept)"
         except ScaleWriteError as exc:

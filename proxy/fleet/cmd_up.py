@@ -213,7 +213,7 @@ async def _up(args: argparse.Namespace, path: Path, config: FleetConfig) -> int:
         # A rejected edit shows in `kvroute status` (GET /fleet's last_error) until a later edit applies.
         watcher = ConfigWatcher(path, manager.apply, initial_text=await asyncio.to_thread(path.read_text),
                                 on_rejected=lambda why: setattr(manager, "last_error", why))
-        manager.config_written = watcher.note_written
+        manager.config_rewritten = watcher.file_rewritten
         watcher.start()
     try:
         timeout = args.ready_timeout_s or max([m.startup_timeout_s for m in config.models] or [60.0])

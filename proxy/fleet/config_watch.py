@@ -37,10 +37,11 @@ class ConfigWatcher:
         self.on_rejected = on_rejected
         self._task: asyncio.Task[None] | None = None
 
-    def note_written(self, text: str) -> None:
-        """The fleet manager wrote `text` to the file itself (`kvroute scale`) and already runs it. Without this, an
-        edit back to the text seen before it, within one poll, would read as no change and be lost."""
-        self._digest = hashlib.sha256(text.encode()).hexdigest()
+    def file_rewritten(self) -> None:
+        """The fleet manager rewrote the file itself (`kvroute scale`): the next look applies whatever the file then
+        holds, even a text seen before (an edit back to it within one poll would otherwise read as no change),
+        and an edit made just before the rewrite, which the rewrite keeps, is applied too."""
+        self._digest = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="config-watch")

@@ -62,7 +62,7 @@ class FleetManager:
                  restart_policy: RestartPolicy | None = None, log_level: str = "info") -> None:
         self.desired = config
         self.config_path: Path | None = None  # `kvroute up`'s file: /fleet/scale writes the new count there
-        self.config_written: Callable[[str], None] | None = None  # told the text /fleet/scale wrote there
+        self.config_rewritten: Callable[[], None] | None = None  # told when /fleet/scale has rewritten it
         # The running proxy's tokens are those it started with (an applied config's proxy section needs a
         # restart); without a worker token the proxy accepts only the admin token from workers too.
         self.worker_token = config.proxy.worker_token or config.proxy.admin_token

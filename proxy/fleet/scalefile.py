@@ -77,16 +77,16 @@ def _set_pool_replicas(text: str, entry: yaml.MappingNode, model: str, replicas:
     raise ScaleWriteError(f"model {model} has no pool of role {role}")
 
 
-def write_replicas(path: Path, model: str, replicas: int, role: str | None = None) -> str:
-    """Edit `path` in place (write-then-rename, as editors do, so a watcher never reads half a file); returns the
-    text the file now holds. Blocking file I/O: call through a thread."""
+def write_replicas(path: Path, model: str, replicas: int, role: str | None = None) -> None:
+    """Edit `path` in place (write-then-rename, as editors do, so a watcher never reads half a file).
+    Blocking file I/O: call through a thread."""
     try:
         text = path.read_text()
     except OSError as exc:
         raise ScaleWriteError(f"cannot read {path}: {exc.strerror}") from None
     new = set_replicas(text, model, replicas, role)
     if new == text:
-        return text
+        return
     tmp = path.with_name(f".{path.name}.kvroute-scale")
     try:
         tmp.write_text(new)
@@ -95,7 +95,6 @@ def write_replicas(path: Path, model: str, replicas: int, role: str | None = Non
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise ScaleWriteError(f"cannot write {path}: {exc.strerror}") from None
-    return new
 
 
 def _value(mapping: yaml.MappingNode, key: str) -> yaml.Node | None:

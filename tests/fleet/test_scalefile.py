@@ -91,9 +91,25 @@ async def test_an_edit_back_to_the_text_before_a_scale_is_applied_even_within_on
     watcher = ConfigWatcher(path, lambda config: applied.append([m.replicas for m in config.models]),
                             initial_text=CONFIG)
     assert not await watcher.check()  # the file as it started: nothing to do
-    watcher.note_written(write_replicas(path, "small", 3))  # what /fleet/scale does after scaling the fleet itself
+    write_replicas(path, "small", 3)  # what /fleet/scale does after scaling the fleet itself...
+    watcher.file_rewritten()  # ...and tells the watcher
     path.write_text(CONFIG)  # the edit back, before any poll saw the 3
     assert await watcher.check() and applied == [[2, 1]]
     assert not await watcher.check()  # and once only
     os.utime(path)  # a touch is no edit
     assert not await watcher.check() and applied == [[2, 1]]
+
+
+async def test_an_edit_just_before_a_scale_is_kept_by_the_rewrite_and_applied(tmp_path):
+    from proxy.fleet.config_watch import ConfigWatcher
+
+    path = tmp_path / "fleet.yaml"
+    path.write_text(CONFIG)
+    applied: list[list[int]] = []
+    watcher = ConfigWatcher(path, lambda config: applied.append([m.replicas for m in config.models]),
+                            initial_text=CONFIG)
+    assert not await watcher.check()
+    path.write_text(CONFIG.replace('name: "big"', 'name: "big"\n    replicas: 4'))  # the operator's edit...
+    write_replicas(path, "small", 3)  # ...then a scale, before any poll
+    watcher.file_rewritten()
+    assert await watcher.check() and applied == [[3, 4]]
