@@ -142,6 +142,16 @@ def _cells(result: dict[str, Any], key: str = "ttft_p99") -> dict[tuple[str, str
     return cells
 
 
+def _best_peer_and_kvroute(routes: dict[str, list[float]]) -> tuple[float, str] | None:
+    """A cell's best peer's mean (seconds; kvroute and the oracle are no peers) and kvroute's default's mean in ms
+    as shown ("-" when it did not run); None without a peer."""
+    peers = [sum(v) / len(v) for r, v in routes.items() if not r.startswith(("kvroute", "oracle"))]
+    if not peers:
+        return None
+    mine = routes.get("kvroute:default")
+    return min(peers), f"{sum(mine) / len(mine) * 1e3:.0f}" if mine else "-"
+
+
 def compare_traces(result: dict[str, Any], floors: dict[str, list[float]]) -> list[str]:
     """Markdown rows: per trace cell and percentile, the window's floor against 0.8 x the best peer's mean and
     kvroute's."""
@@ -151,13 +161,11 @@ def compare_traces(result: dict[str, Any], floors: dict[str, list[float]]) -> li
         for (family, load), routes in sorted(_cells(result, key).items()):
             if family not in floors:
                 continue
-            peers = {r: sum(v) / len(v) for r, v in routes.items() if not r.startswith(("kvroute", "oracle"))}
-            if not peers:
+            found = _best_peer_and_kvroute(routes)
+            if found is None:
                 continue
-            best = min(peers.values())
-            mine = routes.get("kvroute:default")
+            best, kv = found
             floor_ms, bar_ms = (percentile(floors[family], float(pct)) or 0.0) * 1e3, TRACE_BAR * best * 1e3
-            kv = f"{sum(mine) / len(mine) * 1e3:.0f}" if mine else "-"
             lines.append(f"| {family} | {load} | p{pct} | {floor_ms:.0f} | {best * 1e3:.0f} | {bar_ms:.0f} | {kv} | "
                          f"{'yes' if bar_ms >= floor_ms else 'no: below the floor'} |")
     return lines
@@ -171,16 +179,14 @@ def compare(result: dict[str, Any], floors: dict[str, float], closed: dict[str, 
     for (family, load), routes in sorted(_cells(result).items()):
         if family not in floors:
             continue
-        peers = {r: sum(v) / len(v) for r, v in routes.items() if not r.startswith(("kvroute", "oracle"))}
-        if not peers:
+        found = _best_peer_and_kvroute(routes)
+        if found is None:
             continue
-        best = min(peers.values())
-        mine = routes.get("kvroute:default")
+        best, kv = found
         floor = floors[family]
         if load == "closed" and closed and family in closed:
             floor = max(floor, closed[family])
         floor_ms, bar_ms = floor * 1e3, BAR * best * 1e3
-        kv = f"{sum(mine) / len(mine) * 1e3:.0f}" if mine else "-"
         lines.append(f"| {family} | {load} | {floor_ms:.0f} | {best * 1e3:.0f} | {bar_ms:.0f} | {kv} | "
                      f"{'yes' if bar_ms >= floor_ms else 'no: below the floor'} |")
     return lines
