@@ -61,6 +61,9 @@ class DisaggConfig(Knobs):
     shortlist_above: int = Field(16, ge=1, description="above this many candidates, score a random shortlist per "
                                                        "role (plus the prefix holders)")
     shortlist: int = Field(8, ge=1, description="random candidates of each role scored")
+    pressure_window_s: float = Field(10.0, gt=0, description=(
+        "time constant of each worker's prefill pressure (the stall its recent prefills caused per second), about "
+        "a request's decode time: what a request placed there is predicted to suffer from its later prefills"))
 
 
 class PrefixConfig(Knobs):

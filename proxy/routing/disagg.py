@@ -1,19 +1,23 @@
 """Whether and how to split one request across pools: aggregated on one worker, or prefill on P then decode on D,
-with encode on E first for images, whichever is predicted to give the first token soonest at the least cost to
-the requests already running. Conditional disaggregation by predicted time, not by a prompt-length threshold.
+with encode on E first for images, whichever is predicted to give the first token soonest and decode quickest at
+the least cost to the requests already running. Conditional disaggregation by predicted time, not by a prompt-length threshold.
 
 Owns the arithmetic of that choice over typed views of the candidates (`view_of` builds one from a registry
 worker, its learnt WorkerModel and kv_cost's queue); no I/O, no registry access: split.py builds the views and the
 data plane runs the plan (proxy/dataplane/stages.py). Seconds throughout, as kv_cost.py and estimator.py:
 
     prefill(W)      = bias(W) + s_tok(W) x uncached(W) + s_vis(W) x uncached media(W)    [s_vis: 0 if E encoded]
-    aggregated(W)   = queue(W) + prefill(W) + stall(W)                                    W in both, decode
-    split(P, D)     = queue(P) + prefill(P) + stall(P) + transfer(prompt - cached(D)) + admit(D) + step(D)
+    aggregated(W)   = queue(W) + prefill(W) + stall(W) + decode(W)                        W in any role but encode
+    split(P, D)     = queue(P) + prefill(P) + stall(P) + transfer(prompt - cached(D)) + admit(D) + step(D) + decode(D)
     encode(E)       = queue(E) + encoder(media not in E's cache) + transfer(encoder output); then the prefill
                       starts at max(encode(E), queue)
     stall(W)        = (prefill work on W - one decode step) x requests decoding on W: each waits that much longer
                       for its next token; a decode step is memory-bound, and a prefill up to a step's worth of
                       work rides in its slack (chunked prefill)
+    decode(W)       = expected output x step(W) x (1 + pressure(W)): the request's own decode there, its steps as W
+                      reports them, stretched by W's later prefills; pressure(W) is the stall W's recent prefills
+                      caused per second (split.py measures it), high on a busy prefill worker, so a request runs
+                      whole there only when the decoders are slower still
     admit(D)        = KV D lacks for prompt + output / KV it frees per second
 
 The lowest total wins; plans within RESOLUTION_S of the best aggregated one go aggregated (no transfer, fewer
@@ -36,7 +40,11 @@ from proxy.workers.loadview import LoadSnapshot
 _PRIORS = EstimatorConfig()  # a view's rates before anything was learnt: the estimator's default priors
 
 RESOLUTION_S = 0.005
-AGGREGATED_ROLES = frozenset({"both", "decode"})  # a decode worker prefills locally when that is faster
+# A decode worker prefills locally when that is faster; a prefill worker is a whole engine and runs a whole request
+# when its decode there, stretched by the prefills it keeps doing, costs less than a split; with split "always" it
+# only prefills.
+AGGREGATED_ROLES = frozenset({"both", "decode", "prefill"})
+ALWAYS_AGGREGATED_ROLES = frozenset({"both", "decode"})
 PREFILL_ROLES = frozenset({"prefill"})  # a both worker's own prefill is the aggregated plan
 DECODE_ROLES = frozenset({"decode", "both"})
 
@@ -67,6 +75,11 @@ class WorkerView:
     kv_free_tokens: float = math.inf  # KV room after what is committed
     kv_release_tokens_per_s: float = math.inf  # KV its running requests give back per second
     encoder_cache: frozenset[str] = frozenset()  # encode workers: media hashes whose output it holds
+    pressure: float = 0.0  # seconds its recent prefills stalled each decoding request, per second (decode(W))
+
+    def decode_s(self, output_tokens: int) -> float:
+        """A request's predicted decode here: its steps, stretched by this worker's later prefills."""
+        return output_tokens * self.decode_step_s * (1.0 + self.pressure)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,18 +201,22 @@ def plan(request: RequestView, workers: list[WorkerView], link: LinkView, explai
     encode worker whenever there is one (fixed E/P/D serving)."""
     encode = choose_encoder(request, [w for w in workers if w.role == "encode"], link)
     always = split == "always"
-    # options as plain tuples, Plans built for the chosen one and the runners-up only: (cost, 0, index, prefill)
-    # for an aggregated plan, (cost, 1, index, decoder, transfer_s, admit_s, moved tokens, ttft) for a split
+    whole_roles = ALWAYS_AGGREGATED_ROLES if always else AGGREGATED_ROLES
+    output = request.expected_output_tokens
+    # options as plain tuples, Plans built for the chosen one and the runners-up only: (cost, 0, on a prefill worker,
+    # index, prefill, decode) for an aggregated plan (equal costs: off the prefill pool, which stays free for prefills),
+    # (cost, 1, index, decoder, transfer_s, admit_s, moved tokens, ttft, decode) for a split
     aggregated: list[tuple] = []
     best_p: _Prefill | None = None
     for i, w in enumerate(workers):
-        if w.role in AGGREGATED_ROLES:
-            p = _prefill_on(w, request, encode, always)
-            aggregated.append((p.ttft_s + p.stall_s, 0, i, p))
-        elif w.role in PREFILL_ROLES:
-            p = _prefill_on(w, request, encode, always)
-            if best_p is None or p.ttft_s + p.stall_s < best_p.ttft_s + best_p.stall_s:
-                best_p = p
+        if w.role == "encode":
+            continue
+        p = _prefill_on(w, request, encode, always)
+        if w.role in whole_roles:
+            decode = w.decode_s(output)
+            aggregated.append((p.ttft_s + p.stall_s + decode, 0, w.role in PREFILL_ROLES, i, p, decode))
+        if w.role in PREFILL_ROLES and (best_p is None or p.ttft_s + p.stall_s < best_p.ttft_s + best_p.stall_s):
+            best_p = p
     splits: list[tuple] = []
     if best_p is not None:
         prompt, need = request.prompt_tokens, request.prompt_tokens + request.expected_output_tokens
@@ -211,7 +228,8 @@ def plan(request: RequestView, workers: list[WorkerView], link: LinkView, explai
             transfer = latency + moved * per_token
             admit = _admit_s(d, need - d.cached_tokens)
             ttft = best_p.ttft_s + transfer + admit + d.decode_step_s
-            splits.append((ttft + best_p.stall_s, 1, i, d, transfer, admit, moved, ttft))
+            decode = d.decode_s(output)
+            splits.append((ttft + best_p.stall_s + decode, 1, i, d, transfer, admit, moved, ttft, decode))
     if not aggregated and not splits:
         raise ValueError("no worker can generate: the candidates need a both or decode worker")
     best_agg = min(aggregated, default=None)
@@ -224,20 +242,22 @@ def plan(request: RequestView, workers: list[WorkerView], link: LinkView, explai
 
     def make(option: tuple, reason: str = "") -> Plan:
         if option[1] == 0:
-            p: _Prefill = option[3]
+            p: _Prefill = option[4]
             w = p.worker
             return Plan("aggregated", w.worker_id, None, None, p.encode, p.ttft_s, option[0], reason,
                         {"queue_s": w.queue_s, "prefill_s": p.ttft_s - w.queue_s, "stall_s": p.stall_s,
-                         "cached_tokens": w.cached_tokens, "uncached_tokens": p.uncached, "decoding": w.decoding})
+                         "decode_s": option[5], "cached_tokens": w.cached_tokens, "uncached_tokens": p.uncached,
+                         "decoding": w.decoding, "on_prefill_worker": float(w.role in PREFILL_ROLES)})
         assert best_p is not None
-        d, transfer, admit, moved, ttft = option[3:]
+        d, transfer, admit, moved, ttft, decode = option[3:]
         return Plan("disaggregated", None, best_p.worker.worker_id, d.worker_id, best_p.encode, ttft, option[0],
                     reason, {"queue_s": best_p.worker.queue_s, "prefill_s": best_p.ttft_s - best_p.worker.queue_s,
-                             "stall_s": best_p.stall_s, "transfer_s": transfer, "admit_s": admit,
+                             "stall_s": best_p.stall_s, "decode_s": decode, "transfer_s": transfer, "admit_s": admit,
                              "decode_step_s": d.decode_step_s, "moved_tokens": moved})
 
     best = make(chosen)
-    best = make(chosen, _reason(best, make(best_agg) if best_agg is not None else None, request))
+    decoders = min((o for o in aggregated if not o[2]), default=best_agg)  # the reason compares with the decoders
+    best = make(chosen, _reason(best, make(decoders) if decoders is not None else None, request))
     if not explain:
         return best
     # what the decision log shows it passed over: the best plan of the other kind first, then the runners-up
@@ -260,6 +280,8 @@ def _reason(best: Plan, aggregated: Plan | None, request: RequestView) -> str:
         return "split: the prefill pool gives the first token sooner"
     if best.terms["cached_tokens"] * 2 >= request.prompt_tokens:
         return "aggregated: it holds most of the prompt"
+    if best.terms["on_prefill_worker"]:
+        return "aggregated: whole on a prefill worker, sooner than a split"
     if not best.terms["decoding"]:
         return "aggregated: nothing decoding there to stall"
     if best.terms["stall_s"] == 0.0:
@@ -268,15 +290,23 @@ def _reason(best: Plan, aggregated: Plan | None, request: RequestView) -> str:
 
 
 def view_of(worker_id: str, role: str, load: LoadSnapshot, model: WorkerModel, queue_s: float, cached_tokens: int,
-            expected_output_tokens: int, encoder_cache: frozenset[str] = frozenset()) -> WorkerView:
-    """A candidate's view from what routing already has: its load snapshot, its learnt parameters and kv_cost's
-    queue for this request (kv_cost.predict(...).queue_s)."""
+            expected_output_tokens: int, encoder_cache: frozenset[str] = frozenset(), pressure: float = 0.0
+            ) -> WorkerView:
+    """A candidate's view from what routing already has: its load snapshot, its learnt parameters, kv_cost's
+    queue for this request (kv_cost.predict(...).queue_s) and its prefill pressure (split.PrefillPressure)."""
     bias, s_tok, s_vis = model.params()
     turnover = model.request_turnover_s(expected_output_tokens)
     committed = load.used + load.pending_kv
     return WorkerView(worker_id, role, queue_s=queue_s, cached_tokens=cached_tokens, bias_s=bias, s_per_token=s_tok,
                       s_per_media_token=s_vis, decode_step_s=model.decode_step_s,
-                      decoding=0 if role == "prefill" else load.running,  # a prefill worker's requests end at once
-                      kv_free_tokens=max(load.capacity - committed, 0.0),
+                      decoding=_decoding(role, load), kv_free_tokens=max(load.capacity - committed, 0.0),
                       kv_release_tokens_per_s=committed / turnover if turnover > 0 else math.inf,
-                      encoder_cache=encoder_cache)
+                      encoder_cache=encoder_cache, pressure=pressure)
+
+
+def _decoding(role: str, load: LoadSnapshot) -> int:
+    """Requests generating on the worker. A prefill worker's prefill legs end with their one token: only the whole
+    requests that produced output there decode (the engine's running count less what has not output yet)."""
+    if role not in PREFILL_ROLES:
+        return load.running
+    return max(0, load.running - (load.in_flight - load.outputting))

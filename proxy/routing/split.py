@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -90,6 +91,29 @@ class EncoderMemory:
         self._by_worker.pop(worker_id, None)
 
 
+class PrefillPressure:
+    """Per worker, the seconds of stall its recent prefills caused each decoding request, per second: a counter that
+    decays with time constant `window_s` (hold(W) in disagg.py)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._by_worker: dict[str, tuple[float, float]] = {}  # worker -> (decayed stall seconds, as of when)
+
+    def add(self, worker_id: str, stall_s: float, now: float) -> None:
+        if stall_s > 0:
+            self._by_worker[worker_id] = (self._decayed(worker_id, now) + stall_s, now)
+
+    def rate(self, worker_id: str, now: float) -> float:
+        return self._decayed(worker_id, now) / self.window_s
+
+    def _decayed(self, worker_id: str, now: float) -> float:
+        value, at = self._by_worker.get(worker_id, (0.0, now))
+        return value * math.exp(-(now - at) / self.window_s) if now > at else value
+
+    def forget(self, worker_id: str) -> None:
+        self._by_worker.pop(worker_id, None)
+
+
 class SplitFleet:
     """The disaggregated models of the registry, one SplitPolicy each, their encode workers and their link."""
 
@@ -97,6 +121,7 @@ class SplitFleet:
         self.live = live
         self.registry = registry
         self.memory = EncoderMemory()
+        self.pressure = PrefillPressure(DisaggConfig().pressure_window_s)  # the window follows the config
         self.models: frozenset[str] = frozenset()  # served names with a worker of role prefill, decode or encode
         self._encoders: dict[str, list[Worker]] = {}
         self._labels: dict[str, dict[str, str]] = {}  # per model: a generating worker's labels (its connector)
@@ -109,6 +134,7 @@ class SplitFleet:
         if kind in ("register", "remove"):
             if kind == "remove":
                 self.memory.forget(worker.worker_id)
+                self.pressure.forget(worker.worker_id)
             self._rescan()
 
     def _rescan(self) -> None:
@@ -188,6 +214,7 @@ class SplitPolicy(Policy):
     def configure(self, knobs: PolicyKnobs) -> None:
         super().configure(knobs)
         self.config = knobs.disagg
+        self.fleet.pressure.window_s = knobs.disagg.pressure_window_s
 
     def select(self, candidates: Sequence[Worker], request: RoutedRequest, now: float) -> Decision:
         deps = self.deps
@@ -208,7 +235,8 @@ class SplitPolicy(Policy):
             depth = depths.get(wid, 0)
             cached = cached_of[wid] = prefix_tokens[depth - 1] if depth else 0
             queue_s = predict(w, model, request, cached, hot.get(wid, 0), now, fleet_waiting).queue_s
-            views.append(view_of(wid, w.role, snap, model, queue_s, cached, output))
+            views.append(view_of(wid, w.role, snap, model, queue_s, cached, output,
+                                 pressure=self.fleet.pressure.rate(wid, now)))
         for e in encoders:
             model = estimator.for_worker(e.worker_id)
             bias, _, s_vis = model.params()
@@ -278,7 +306,12 @@ class SplitPolicy(Policy):
             return
         if request.prefix_hashes:  # a prefill worker keeps the prompt in its prefix cache, a decoder once pulled
             self.deps.prefix_index.insert(request.prefix_hashes, wid, now, request.prefix_tokens)
-        self.deps.estimator.for_worker(wid).observe_dispatch(decision.prefill_tokens, decision.kv_tokens)
+        model = self.deps.estimator.for_worker(wid)
+        model.observe_dispatch(decision.prefill_tokens, decision.kv_tokens)
+        if decision.prefill_tokens:  # what this prefill will stall each request decoding there (disagg.py's stall)
+            _, s_tok, s_vis = model.params()
+            media = decision.prediction.uncached_media_tokens if decision.prediction is not None else 0
+            self.fleet.pressure.add(wid, s_tok * decision.prefill_tokens + s_vis * media - model.decode_step_s, now)
 
     def on_finish(self, decision: Decision, request: RoutedRequest, sent_at: float, first_byte_at: float | None,
                   ended_at: float) -> None:

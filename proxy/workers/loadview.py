@@ -389,12 +389,13 @@ class LoadSnapshot:
     """
 
     __slots__ = ("capacity", "used", "waiting", "running", "reported_waiting", "pending_kv", "pending_prefill",
-                 "oldest_pending_at", "backlog", "queued", "projected_kv_usage", "in_flight")
+                 "oldest_pending_at", "backlog", "queued", "projected_kv_usage", "in_flight", "outputting")
 
     def __init__(self, load: WorkerLoad) -> None:
         capacity = self.capacity = load.capacity_tokens
         reading = load.reading
         self.in_flight = load.in_flight
+        self.outputting = load.outputting
         self.pending_prefill = load._pending_prefill
         self.oldest_pending_at = load._pending[0].at if load._pending else None
         if reading is None:

@@ -20,9 +20,12 @@ QWEN_32B_KV = 2 * 64 * 8 * 128 * 2
 RDMA = LinkView.of(link("rdma-400g"), QWEN_8B_KV, encoder_bytes_per_token=4096 * 2 * 4)
 
 
-def fleet(prefill_queue_s: float = 0.0, decoding: int = 0, prefill_waiting: int = 0, **decoder) -> list[WorkerView]:
-    """Two prefill and three decode workers at the estimator's priors (0.1 ms per prompt token, 20 ms a step)."""
-    return [*(WorkerView(f"p{i}", "prefill", queue_s=prefill_queue_s, decoding=prefill_waiting) for i in range(2)),
+def fleet(prefill_queue_s: float = 0.0, decoding: int = 0, prefill_waiting: int = 0, prefill_pressure: float = 0.5,
+          **decoder) -> list[WorkerView]:
+    """Two prefill and three decode workers at the estimator's priors (0.1 ms per prompt token, 20 ms a step); the
+    prefill pool busy by default (its prefills stalled a decoding request half of the last while)."""
+    return [*(WorkerView(f"p{i}", "prefill", queue_s=prefill_queue_s, decoding=prefill_waiting,
+                         pressure=prefill_pressure) for i in range(2)),
             *(WorkerView(f"d{i}", "decode", decoding=decoding, **decoder) for i in range(3))]
 
 
@@ -85,11 +88,37 @@ def test_the_decoder_without_kv_room_is_passed_over():
     assert plan(RequestView(prompt_tokens=8000), views, RDMA).alternatives == ()  # only when asked to explain
 
 
+def test_an_idle_prefill_worker_runs_a_request_whole_rather_than_add_a_transfer():
+    chosen = plan(RequestView(prompt_tokens=8000), fleet(decoding=32, prefill_pressure=0.0), RDMA)
+    assert (chosen.kind, chosen.worker) == ("aggregated", "p0")
+    assert chosen.reason == "aggregated: whole on a prefill worker, sooner than a split"
+    # the same prefill worker busy with the pool's prefills: the request would decode between them, so it splits
+    busy = plan(RequestView(prompt_tokens=8000), fleet(decoding=32, prefill_pressure=0.5), RDMA)
+    assert busy.kind == "disaggregated" and busy.terms["decode_s"] == pytest.approx(256 * 0.02)
+
+
+def test_requests_run_whole_on_the_prefill_pool_only_when_the_decoders_step_slower_than_its_prefills_stretch_it():
+    request = RequestView(prompt_tokens=300, expected_output_tokens=100)  # decode on p: 100 x 20 ms x 1.5 = 3 s
+    stays = plan(request, fleet(decoding=32, decode_step_s=0.025), RDMA)  # 2.5 s
+    assert (stays.decode or stays.worker).startswith("d")
+    spilled = plan(request, fleet(decoding=32, decode_step_s=0.035), RDMA)  # 3.5 s
+    assert spilled.kind == "aggregated" and spilled.worker.startswith("p")
+    assert spilled.terms["decode_s"] == pytest.approx(3.0)
+
+
+def test_every_request_split_keeps_the_prefill_pool_to_prefills():
+    chosen = plan(RequestView(prompt_tokens=8000), fleet(decoding=0, prefill_pressure=0.0), RDMA, split="always")
+    assert chosen.kind == "disaggregated"
+
+
 def test_an_aggregated_fleet_and_one_that_cannot_generate():
     both = [WorkerView("w0", "both", decoding=64), WorkerView("w1", "both", queue_s=1.0, decoding=64)]
     assert plan(RequestView(prompt_tokens=8000), both, RDMA).worker == "w0"  # no prefill pool: nothing to split
+    assert plan(RequestView(prompt_tokens=500), [WorkerView("p0", "prefill")], RDMA).worker == "p0"  # a whole engine
     with pytest.raises(ValueError):
-        plan(RequestView(prompt_tokens=500), [WorkerView("p0", "prefill")], RDMA)
+        plan(RequestView(prompt_tokens=500), [WorkerView("p0", "prefill")], RDMA, split="always")
+    with pytest.raises(ValueError):
+        plan(RequestView(prompt_tokens=500, media_tokens=100, media_hashes=("a",)), encoders(frozenset()), RDMA)
 
 
 def encoders(*caches: frozenset[str], queue_s: float = 0.0) -> list[WorkerView]:

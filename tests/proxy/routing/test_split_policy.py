@@ -54,6 +54,7 @@ def pick(routing: RoutingService, routed, tried: set[str] | None = None):
 def test_a_long_prompt_to_busy_decoders_is_split_and_a_short_one_stays_on_a_decoder():
     _, routing = service({"p0": "prefill", "d0": "decode", "d1": "decode"})
     assert routing.policy_for("m").name == "disagg"
+    routing.split.pressure.add("p0", 20.0, 100.0)  # a busy prefill worker: its prefills would stretch a decode there
     split = pick(routing, request())
     assert split.plan is not None and split.plan.prefill is not None
     assert split.worker.role == "decode" and split.plan.prefill.worker.worker_id == "p0"
@@ -61,6 +62,18 @@ def test_a_long_prompt_to_busy_decoders_is_split_and_a_short_one_stays_on_a_deco
     assert "prefill on p0" in split.plan.plan.describe()
     short = pick(routing, request("What time is it?"))
     assert short.worker.role == "decode" and short.plan is not None and short.plan.whole
+
+
+def test_an_idle_prefill_worker_runs_a_request_whole_until_its_own_prefills_would_stretch_the_next():
+    _, routing = service({"p0": "prefill", "d0": "decode", "d1": "decode"})
+    policy = routing.policy_for("m")
+    whole = pick(routing, request())
+    assert (whole.worker.worker_id, whole.plan.prefill) == ("p0", None)
+    assert whole.plan.plan.reason == "aggregated: whole on a prefill worker, sooner than a split"
+    routing.begin(whole, policy, request())  # its prefill is p0's pressure now (about 3.5 s over a 10 s window)
+    assert routing.split.pressure.rate("p0", 100.0) > 0.3
+    nxt = pick(routing, request(LONG + " more"))
+    assert nxt.plan.prefill is not None and nxt.worker.role == "decode"
 
 
 def test_split_always_splits_even_a_short_prompt():
