@@ -61,9 +61,13 @@ class DisaggConfig(Knobs):
     shortlist_above: int = Field(16, ge=1, description="above this many candidates, score a random shortlist per "
                                                        "role (plus the prefix holders)")
     shortlist: int = Field(8, ge=1, description="random candidates of each role scored")
+    whole_on_prefill: bool = Field(False, description=(
+        "conditional only: let a prefill worker also run requests whole when that is predicted sooner (more "
+        "capacity on mixed traffic; the decodes it hosts are stalled by the pool's prefills, so inter-token "
+        "latency p99 rises on long prompts: docs/design/disaggregation.md)"))
     pressure_window_s: float = Field(10.0, gt=0, description=(
-        "time constant of each worker's prefill pressure (the stall its recent prefills caused per second), about "
-        "a request's decode time: what a request placed there is predicted to suffer from its later prefills"))
+        "with whole_on_prefill: time constant of each worker's prefill pressure (the stall its recent prefills "
+        "caused per second), about a request's decode time"))
 
 
 class PrefixConfig(Knobs):

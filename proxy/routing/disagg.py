@@ -7,17 +7,17 @@ worker, its learnt WorkerModel and kv_cost's queue); no I/O, no registry access:
 data plane runs the plan (proxy/dataplane/stages.py). Seconds throughout, as kv_cost.py and estimator.py:
 
     prefill(W)      = bias(W) + s_tok(W) x uncached(W) + s_vis(W) x uncached media(W)    [s_vis: 0 if E encoded]
-    aggregated(W)   = queue(W) + prefill(W) + stall(W) + decode(W)                        W in any role but encode
+    aggregated(W)   = queue(W) + prefill(W) + stall(W) + decode(W)           W both or decode (+ prefill: whole_on_prefill)
     split(P, D)     = queue(P) + prefill(P) + stall(P) + transfer(prompt - cached(D)) + admit(D) + step(D) + decode(D)
     encode(E)       = queue(E) + encoder(media not in E's cache) + transfer(encoder output); then the prefill
                       starts at max(encode(E), queue)
     stall(W)        = (prefill work on W - one decode step) x requests decoding on W: each waits that much longer
                       for its next token; a decode step is memory-bound, and a prefill up to a step's worth of
                       work rides in its slack (chunked prefill)
-    decode(W)       = expected output x step(W) x (1 + pressure(W)): the request's own decode there, its steps as W
-                      reports them, stretched by W's later prefills; pressure(W) is the stall W's recent prefills
-                      caused per second (split.py measures it), high on a busy prefill worker, so a request runs
-                      whole there only when the decoders are slower still
+    decode(W)       = with whole_on_prefill (else 0): expected output x step(W) x (1 + pressure(W)), the request's
+                      own decode there, its steps as W reports them, stretched by W's later prefills; pressure(W)
+                      is the stall W's recent prefills caused per second (split.py measures it), high on a busy
+                      prefill worker, so a request runs whole there only when the decoders are slower still
     admit(D)        = KV D lacks for prompt + output / KV it frees per second
 
 The lowest total wins; plans within RESOLUTION_S of the best aggregated one go aggregated (no transfer, fewer
@@ -40,11 +40,10 @@ from proxy.workers.loadview import LoadSnapshot
 _PRIORS = EstimatorConfig()  # a view's rates before anything was learnt: the estimator's default priors
 
 RESOLUTION_S = 0.005
-# A decode worker prefills locally when that is faster; a prefill worker is a whole engine and runs a whole request
-# when its decode there, stretched by the prefills it keeps doing, costs less than a split; with split "always" it
-# only prefills.
-AGGREGATED_ROLES = frozenset({"both", "decode", "prefill"})
-ALWAYS_AGGREGATED_ROLES = frozenset({"both", "decode"})
+# A decode worker prefills locally when that is faster. A prefill worker is a whole engine: with whole_on_prefill it
+# runs a request whole when its decode there, stretched by the prefills it keeps doing, costs less than a split.
+AGGREGATED_ROLES = frozenset({"both", "decode"})
+WHOLE_ON_PREFILL_ROLES = frozenset({"both", "decode", "prefill"})
 PREFILL_ROLES = frozenset({"prefill"})  # a both worker's own prefill is the aggregated plan
 DECODE_ROLES = frozenset({"decode", "both"})
 
@@ -194,15 +193,17 @@ def _admit_s(d: WorkerView, need: float) -> float:
 
 
 def plan(request: RequestView, workers: list[WorkerView], link: LinkView, explain: bool = False,
-         split: str = "conditional") -> Plan:
+         split: str = "conditional", whole_on_prefill: bool = False) -> Plan:
     """The plan with the lowest predicted cost (module docstring); ValueError when no worker can generate.
     `explain`: fill `alternatives` (what the debug decision log shows), at the cost of building their plans.
     `split` "always": the best split whenever a prefill worker is among the candidates, and images encoded on an
-    encode worker whenever there is one (fixed E/P/D serving)."""
+    encode worker whenever there is one (fixed E/P/D serving). `whole_on_prefill` (conditional only): prefill workers
+    may run a request whole, and every plan counts the request's own decode (decode(W))."""
     encode = choose_encoder(request, [w for w in workers if w.role == "encode"], link)
     always = split == "always"
-    whole_roles = ALWAYS_AGGREGATED_ROLES if always else AGGREGATED_ROLES
-    output = request.expected_output_tokens
+    whole_on_prefill = whole_on_prefill and not always
+    whole_roles = WHOLE_ON_PREFILL_ROLES if whole_on_prefill else AGGREGATED_ROLES
+    output = request.expected_output_tokens if whole_on_prefill else 0  # 0: no decode(W) term
     # options as plain tuples, Plans built for the chosen one and the runners-up only: (cost, 0, on a prefill worker,
     # index, prefill, decode) for an aggregated plan (equal costs: off the prefill pool, which stays free for prefills),
     # (cost, 1, index, decoder, transfer_s, admit_s, moved tokens, ttft, decode) for a split
@@ -213,7 +214,7 @@ def plan(request: RequestView, workers: list[WorkerView], link: LinkView, explai
             continue
         p = _prefill_on(w, request, encode, always)
         if w.role in whole_roles:
-            decode = w.decode_s(output)
+            decode = w.decode_s(output) if output else 0.0
             aggregated.append((p.ttft_s + p.stall_s + decode, 0, w.role in PREFILL_ROLES, i, p, decode))
         if w.role in PREFILL_ROLES and (best_p is None or p.ttft_s + p.stall_s < best_p.ttft_s + best_p.stall_s):
             best_p = p
@@ -228,7 +229,7 @@ def plan(request: RequestView, workers: list[WorkerView], link: LinkView, explai
             transfer = latency + moved * per_token
             admit = _admit_s(d, need - d.cached_tokens)
             ttft = best_p.ttft_s + transfer + admit + d.decode_step_s
-            decode = d.decode_s(output)
+            decode = d.decode_s(output) if output else 0.0
             splits.append((ttft + best_p.stall_s + decode, 1, i, d, transfer, admit, moved, ttft, decode))
     if not aggregated and not splits:
         raise ValueError("no worker can generate: the candidates need a both or decode worker")
@@ -305,8 +306,7 @@ def view_of(worker_id: str, role: str, load: LoadSnapshot, model: WorkerModel, q
 
 
 def _decoding(role: str, load: LoadSnapshot) -> int:
-    """Requests generating on the worker. A prefill worker's prefill legs end with their one token: only the whole
-    requests that produced output there decode (the engine's running count less what has not output yet)."""
-    if role not in PREFILL_ROLES:
-        return load.running
-    return max(0, load.running - (load.in_flight - load.outputting))
+    """Requests generating on the worker. A prefill worker's prefill legs end with their one token, and a reading of
+    its running requests lags the legs that ended since: there only the whole requests this proxy sees producing
+    output count."""
+    return load.outputting if role in PREFILL_ROLES else load.running

@@ -245,7 +245,8 @@ class SplitPolicy(Policy):
                                     encoder_cache=self.fleet.memory.held(e.worker_id, media)))
         wanted = RequestView(request.prompt_tokens, request.media_tokens, media, output)
         try:
-            chosen = plan(wanted, views, self.fleet.link(self.model), split=self.config.split)
+            chosen = plan(wanted, views, self.fleet.link(self.model), split=self.config.split,
+                          whole_on_prefill=self.config.whole_on_prefill)
         except ValueError:  # only prefill workers are left: each is a whole engine and answers a whole request
             worker = self.least_in_flight(pool)
             return Decision(worker, "prefill_worker_whole", request.expected_kv_tokens,

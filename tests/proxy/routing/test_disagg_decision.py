@@ -88,35 +88,39 @@ def test_the_decoder_without_kv_room_is_passed_over():
     assert plan(RequestView(prompt_tokens=8000), views, RDMA).alternatives == ()  # only when asked to explain
 
 
-def test_an_idle_prefill_worker_runs_a_request_whole_rather_than_add_a_transfer():
-    chosen = plan(RequestView(prompt_tokens=8000), fleet(decoding=32, prefill_pressure=0.0), RDMA)
+def test_with_whole_on_prefill_an_idle_prefill_worker_runs_a_request_whole_rather_than_add_a_transfer():
+    idle = fleet(decoding=32, prefill_pressure=0.0)
+    assert plan(RequestView(prompt_tokens=8000), idle, RDMA).kind == "disaggregated"  # the default: it only prefills
+    chosen = plan(RequestView(prompt_tokens=8000), idle, RDMA, whole_on_prefill=True)
     assert (chosen.kind, chosen.worker) == ("aggregated", "p0")
     assert chosen.reason == "aggregated: whole on a prefill worker, sooner than a split"
     # the same prefill worker busy with the pool's prefills: the request would decode between them, so it splits
-    busy = plan(RequestView(prompt_tokens=8000), fleet(decoding=32, prefill_pressure=0.5), RDMA)
+    busy = plan(RequestView(prompt_tokens=8000), fleet(decoding=32, prefill_pressure=0.5), RDMA, whole_on_prefill=True)
     assert busy.kind == "disaggregated" and busy.terms["decode_s"] == pytest.approx(256 * 0.02)
 
 
 def test_requests_run_whole_on_the_prefill_pool_only_when_the_decoders_step_slower_than_its_prefills_stretch_it():
     request = RequestView(prompt_tokens=300, expected_output_tokens=100)  # decode on p: 100 x 20 ms x 1.5 = 3 s
-    stays = plan(request, fleet(decoding=32, decode_step_s=0.025), RDMA)  # 2.5 s
+    stays = plan(request, fleet(decoding=32, decode_step_s=0.025), RDMA, whole_on_prefill=True)  # 2.5 s
     assert (stays.decode or stays.worker).startswith("d")
-    spilled = plan(request, fleet(decoding=32, decode_step_s=0.035), RDMA)  # 3.5 s
+    spilled = plan(request, fleet(decoding=32, decode_step_s=0.035), RDMA, whole_on_prefill=True)  # 3.5 s
     assert spilled.kind == "aggregated" and spilled.worker.startswith("p")
     assert spilled.terms["decode_s"] == pytest.approx(3.0)
 
 
 def test_every_request_split_keeps_the_prefill_pool_to_prefills():
-    chosen = plan(RequestView(prompt_tokens=8000), fleet(decoding=0, prefill_pressure=0.0), RDMA, split="always")
+    idle = fleet(decoding=0, prefill_pressure=0.0)
+    chosen = plan(RequestView(prompt_tokens=8000), idle, RDMA, split="always", whole_on_prefill=True)
     assert chosen.kind == "disaggregated"
 
 
 def test_an_aggregated_fleet_and_one_that_cannot_generate():
     both = [WorkerView("w0", "both", decoding=64), WorkerView("w1", "both", queue_s=1.0, decoding=64)]
     assert plan(RequestView(prompt_tokens=8000), both, RDMA).worker == "w0"  # no prefill pool: nothing to split
-    assert plan(RequestView(prompt_tokens=500), [WorkerView("p0", "prefill")], RDMA).worker == "p0"  # a whole engine
-    with pytest.raises(ValueError):
-        plan(RequestView(prompt_tokens=500), [WorkerView("p0", "prefill")], RDMA, split="always")
+    only_prefill = [WorkerView("p0", "prefill")]
+    assert plan(RequestView(prompt_tokens=500), only_prefill, RDMA, whole_on_prefill=True).worker == "p0"
+    with pytest.raises(ValueError):  # by default a prefill worker only prefills (split.py then runs it whole there)
+        plan(RequestView(prompt_tokens=500), only_prefill, RDMA)
     with pytest.raises(ValueError):
         plan(RequestView(prompt_tokens=500, media_tokens=100, media_hashes=("a",)), encoders(frozenset()), RDMA)
 

@@ -23,8 +23,10 @@ from proxy.workers.registry import Registry
 LONG = " ".join(f"word{i}" for i in range(6000))
 
 
-def service(roles: dict[str, str], split: str = "conditional") -> tuple[Registry, RoutingService]:
-    config = FleetConfig.model_validate({"proxy": {"routing": {"disagg": {"split": split}}}})
+def service(roles: dict[str, str], split: str = "conditional", whole_on_prefill: bool = False
+            ) -> tuple[Registry, RoutingService]:
+    config = FleetConfig.model_validate({"proxy": {"routing": {"disagg": {"split": split,
+                                                                          "whole_on_prefill": whole_on_prefill}}}})
     registry = Registry(clock=lambda: 100.0)
     deps = PolicyDeps(prefix_index=PrefixIndex(), rng=random.Random(1))
     routing = RoutingService(LiveConfig(config, PolicySet(config, "kv_aware", deps)), registry)
@@ -54,7 +56,6 @@ def pick(routing: RoutingService, routed, tried: set[str] | None = None):
 def test_a_long_prompt_to_busy_decoders_is_split_and_a_short_one_stays_on_a_decoder():
     _, routing = service({"p0": "prefill", "d0": "decode", "d1": "decode"})
     assert routing.policy_for("m").name == "disagg"
-    routing.split.pressure.add("p0", 20.0, 100.0)  # a busy prefill worker: its prefills would stretch a decode there
     split = pick(routing, request())
     assert split.plan is not None and split.plan.prefill is not None
     assert split.worker.role == "decode" and split.plan.prefill.worker.worker_id == "p0"
@@ -64,8 +65,8 @@ def test_a_long_prompt_to_busy_decoders_is_split_and_a_short_one_stays_on_a_deco
     assert short.worker.role == "decode" and short.plan is not None and short.plan.whole
 
 
-def test_an_idle_prefill_worker_runs_a_request_whole_until_its_own_prefills_would_stretch_the_next():
-    _, routing = service({"p0": "prefill", "d0": "decode", "d1": "decode"})
+def test_with_whole_on_prefill_an_idle_prefill_worker_runs_a_request_whole_until_its_prefills_would_stretch_the_next():
+    _, routing = service({"p0": "prefill", "d0": "decode", "d1": "decode"}, whole_on_prefill=True)
     policy = routing.policy_for("m")
     whole = pick(routing, request())
     assert (whole.worker.worker_id, whole.plan.prefill) == ("p0", None)
