@@ -1,6 +1,7 @@
 """Whether and how to split one request across pools: aggregated on one worker, or prefill on P then decode on D,
 with encode on E first for images, whichever is predicted to give the first token soonest (with whole_on_prefill:
-and to decode quickest) at the least cost to the requests already running. Conditional disaggregation by predicted time, not by a prompt-length threshold.
+and to decode quickest) at the least cost to the requests already running. Conditional disaggregation by
+predicted time, not by a prompt-length threshold.
 
 Owns the arithmetic of that choice over typed views of the candidates (`view_of` builds one from a registry
 worker, its learnt WorkerModel and kv_cost's queue); no I/O, no registry access: split.py builds the views and the

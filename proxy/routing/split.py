@@ -93,7 +93,7 @@ class EncoderMemory:
 
 class PrefillPressure:
     """Per worker, the seconds of stall its recent prefills caused each decoding request, per second: a counter that
-    decays with time constant `window_s` (hold(W) in disagg.py)."""
+    decays with time constant `window_s` (pressure(W) in disagg.py's decode(W))."""
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
