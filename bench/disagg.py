@@ -3,7 +3,7 @@
 Owns the matrix (family x route x repeat) and each cell's measurement. A route is a fleet shape and a router over
 it: `aggregated` (8 x both, kvroute's default policy), `kvroute-split:2p6d` (2 prefill + 6 decode workers, kvroute
 splitting every request: fixed P/D), `kvroute:2p6d` (the same fleet, kvroute's conditional disaggregation: a request
-is split only when that is predicted sooner), `vllm-router:2p6d` (vllm-router 0.1.17's PD mode over the same
+is split only when that is predicted sooner; `kvroute-whole:2p6d` with `disagg.whole_on_prefill`), `vllm-router:2p6d` (vllm-router 0.1.17's PD mode over the same
 workers, NIXL protocol). Times are simulated seconds (wall x time scale). Figures per load: TTFT and inter-token
 latency (each gap between two tokens of a stream) p50/p99, the per-request mean inter-token latency (TPOT) p99, SLO
 attainment (the share of requests meeting TTFT <= --ttft-slo and TPOT <= --itl-slo), throughput, KV moved between
@@ -72,9 +72,12 @@ def shape_of(route: str) -> tuple[str, str, str]:
         raise ValueError(f"route {route!r}: the shape after ':' is one of {', '.join(s for s in SHAPES if s != '8both')}")
     if router == "kvroute-split":
         return "kvroute", shape, "default@disagg.split=always"
+    if router == "kvroute-whole":
+        return "kvroute", shape, "default@disagg.whole_on_prefill=true"
     if router in ("kvroute", "vllm-router"):
         return router, shape, "default"
-    raise ValueError(f"unknown route {route!r}: aggregated, kvroute:SHAPE, kvroute-split:SHAPE or vllm-router:SHAPE")
+    raise ValueError(f"unknown route {route!r}: aggregated, kvroute:SHAPE, kvroute-split:SHAPE, kvroute-whole:SHAPE "
+                     "or vllm-router:SHAPE")
 
 
 def fleet_specs(shape: str, time_scale: float, preset: str) -> list[SimWorkerSpec]:
@@ -227,7 +230,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--families", default=",".join(KINDS), help=f"comma-separated, from {', '.join(KINDS)}")
     p.add_argument("--routes", default=",".join(ROUTES),
                    help="comma-separated: aggregated, kvroute:SHAPE (conditional), kvroute-split:SHAPE (always "
-                        "split), vllm-router:SHAPE (its PD mode); SHAPE 2p6d, 3p5d or 4p4d")
+                        "split), kvroute-whole:SHAPE (conditional, prefill workers also run whole requests: "
+                        "disagg.whole_on_prefill), vllm-router:SHAPE (its PD mode); SHAPE 2p6d, 3p5d or 4p4d")
     p.add_argument("--repeats", type=int, default=REPEATS)
     p.add_argument("--requests", type=int, default=None,
                    help=f"requests per cell (default {FIXED_REQUESTS}), or per step of --sweep (default {SWEEP_REQUESTS}: a "

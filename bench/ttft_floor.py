@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -152,19 +153,22 @@ def _best_peer_and_kvroute(routes: dict[str, list[float]]) -> tuple[float, str] 
     return min(peers), f"{sum(mine) / len(mine) * 1e3:.0f}" if mine else "-"
 
 
+def _bar_cells(result: dict[str, Any], floors: Mapping[str, object], *key: str
+               ) -> Iterator[tuple[str, str, float, str]]:
+    """(family, load, best peer's mean, kvroute's mean as shown) of each cell with a floor and a peer, in order."""
+    for (family, load), routes in sorted(_cells(result, *key).items()):
+        found = _best_peer_and_kvroute(routes) if family in floors else None
+        if found is not None:
+            yield family, load, *found
+
+
 def compare_traces(result: dict[str, Any], floors: dict[str, list[float]]) -> list[str]:
     """Markdown rows: per trace cell and percentile, the window's floor against 0.8 x the best peer's mean and
     kvroute's."""
     lines = ["| family | load | percentile | floor ms | best peer ms | 0.8 x best peer ms | kvroute default ms "
              "| bar reachable |", "|---|---|---|---|---|---|---|---|"]
     for pct, key in ((90, "ttft_p90"), (99, "ttft_p99")):
-        for (family, load), routes in sorted(_cells(result, key).items()):
-            if family not in floors:
-                continue
-            found = _best_peer_and_kvroute(routes)
-            if found is None:
-                continue
-            best, kv = found
+        for family, load, best, kv in _bar_cells(result, floors, key):
             floor_ms, bar_ms = (percentile(floors[family], float(pct)) or 0.0) * 1e3, TRACE_BAR * best * 1e3
             lines.append(f"| {family} | {load} | p{pct} | {floor_ms:.0f} | {best * 1e3:.0f} | {bar_ms:.0f} | {kv} | "
                          f"{'yes' if bar_ms >= floor_ms else 'no: below the floor'} |")
@@ -176,13 +180,7 @@ def compare(result: dict[str, Any], floors: dict[str, float], closed: dict[str, 
     against 0.7 x the best peer's mean p99 and kvroute's."""
     lines = ["| family | load | floor p99 ms | best peer p99 ms | 0.7 x best peer ms | kvroute default p99 ms "
              "| bar reachable |", "|---|---|---|---|---|---|---|"]
-    for (family, load), routes in sorted(_cells(result).items()):
-        if family not in floors:
-            continue
-        found = _best_peer_and_kvroute(routes)
-        if found is None:
-            continue
-        best, kv = found
+    for family, load, best, kv in _bar_cells(result, floors):
         floor = floors[family]
         if load == "closed" and closed and family in closed:
             floor = max(floor, closed[family])

@@ -179,3 +179,16 @@ def test_a_vllm_router_that_sustains_nothing_is_named_so_not_as_an_infinite_rati
     md = render(data)
     assert _table_row(md, "kvroute:2p6d")[2] == "vllm-router:2p6d sustained none"
     assert "infx" not in md
+
+
+def test_each_kvroute_route_names_its_decision_and_a_bad_shape_is_refused():
+    from bench.disagg import shape_of
+    from bench.route_spec import parse_route_spec
+
+    assert shape_of("kvroute:3p5d") == ("kvroute", "3p5d", "default")
+    router, shape, spec = shape_of("kvroute-whole:2p6d")
+    assert (router, shape) == ("kvroute", "2p6d")
+    assert parse_route_spec(spec).proxy == {"routing": {"disagg": {"whole_on_prefill": True}}}
+    assert parse_route_spec(shape_of("kvroute-split:4p4d")[2]).proxy == {"routing": {"disagg": {"split": "always"}}}
+    with pytest.raises(ValueError):
+        shape_of("kvroute-whole:8both")
