@@ -121,7 +121,7 @@ class SplitFleet:
         self.live = live
         self.registry = registry
         self.memory = EncoderMemory()
-        self.pressure = PrefillPressure(DisaggConfig().pressure_window_s)  # the window follows the config
+        self.pressure = PrefillPressure(DisaggConfig().pressure_window_s)  # kept with whole_on_prefill; window: config
         self.models: frozenset[str] = frozenset()  # served names with a worker of role prefill, decode or encode
         self._encoders: dict[str, list[Worker]] = {}
         self._labels: dict[str, dict[str, str]] = {}  # per model: a generating worker's labels (its connector)
@@ -227,6 +227,7 @@ class SplitPolicy(Policy):
         fleet_waiting = max(s.reported_waiting for s in snapshots)
         hot = index.hot_by_worker()
         prefix_tokens, output = request.prefix_tokens, request.expected_output_tokens
+        whole_on_prefill = self.config.whole_on_prefill
         views: list[WorkerView] = []
         cached_of: dict[str, int] = {}
         for w, snap in zip(pool, snapshots, strict=True):
@@ -235,8 +236,8 @@ class SplitPolicy(Policy):
             depth = depths.get(wid, 0)
             cached = cached_of[wid] = prefix_tokens[depth - 1] if depth else 0
             queue_s = predict(w, model, request, cached, hot.get(wid, 0), now, fleet_waiting).queue_s
-            views.append(view_of(wid, w.role, snap, model, queue_s, cached, output,
-                                 pressure=self.fleet.pressure.rate(wid, now)))
+            pressure = self.fleet.pressure.rate(wid, now) if whole_on_prefill else 0.0
+            views.append(view_of(wid, w.role, snap, model, queue_s, cached, output, pressure=pressure))
         for e in encoders:
             model = estimator.for_worker(e.worker_id)
             bias, _, s_vis = model.params()
@@ -246,7 +247,7 @@ class SplitPolicy(Policy):
         wanted = RequestView(request.prompt_tokens, request.media_tokens, media, output)
         try:
             chosen = plan(wanted, views, self.fleet.link(self.model), split=self.config.split,
-                          whole_on_prefill=self.config.whole_on_prefill)
+                          whole_on_prefill=whole_on_prefill)
         except ValueError:  # only prefill workers are left: each is a whole engine and answers a whole request
             worker = self.least_in_flight(pool)
             return Decision(worker, "prefill_worker_whole", request.expected_kv_tokens,
@@ -309,7 +310,7 @@ class SplitPolicy(Policy):
             self.deps.prefix_index.insert(request.prefix_hashes, wid, now, request.prefix_tokens)
         model = self.deps.estimator.for_worker(wid)
         model.observe_dispatch(decision.prefill_tokens, decision.kv_tokens)
-        if decision.prefill_tokens:  # what this prefill will stall each request decoding there (disagg.py's stall)
+        if decision.prefill_tokens and self.config.whole_on_prefill:  # what it will stall each decoding request
             _, s_tok, s_vis = model.params()
             media = decision.prediction.uncached_media_tokens if decision.prediction is not None else 0
             self.fleet.pressure.add(wid, s_tok * decision.prefill_tokens + s_vis * media - model.decode_step_s, now)
