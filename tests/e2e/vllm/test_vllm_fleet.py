@@ -237,18 +237,20 @@ def test_the_proxys_own_token_ids_name_the_blocks_the_engines_events_name_text_i
 def test_a_prefix_the_engine_dropped_leaves_the_proxys_view_and_its_prediction(fleet):
     messages = [{"role": "system", "content": _words("anchor", 150)}, {"role": "user", "content": "where?"}]
     holder = _send(fleet, messages).headers["x-kvroute-worker"]
-    _, port = fleet.workers[holder]
     wait_until(lambda: (_metric(fleet, "kvroute:worker_kv_event_blocks", holder) or 0) >= 3, 20, 0.2,
                "the engine's blocks at the proxy")
-    engine = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60,
-                          headers={"Authorization": f"Bearer {ENGINE_KEY}"})
-    reset = engine.post("/reset_prefix_cache")  # vLLM's dev mode
-    assert reset.status_code == 200 and reset.json()["success"], reset.text
-    # vLLM publishes what a step changed: an idle engine's AllBlocksCleared waits for its next step
-    engine.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1,
-                                              "messages": [{"role": "user", "content": "hi"}]}).raise_for_status()
-    wait_until(lambda: _metric(fleet, "kvroute:worker_kv_event_blocks", holder) == 0, 20, 0.2,
-               "AllBlocksCleared at the proxy")
+    for worker_id, (_, port) in fleet.workers.items():  # every engine drops its cache: none holds the prefix
+        engine = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60,
+                              headers={"Authorization": f"Bearer {ENGINE_KEY}"})
+        reset = engine.post("/reset_prefix_cache")  # vLLM's dev mode
+        assert reset.status_code == 200 and reset.json()["success"], reset.text
+        # vLLM publishes what a step changed: an idle engine's AllBlocksCleared waits for its next step (and a
+        # view left incomplete by events an earlier test lost is whole again from it)
+        engine.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1,
+                                                  "messages": [{"role": "user", "content": "hi"}]}).raise_for_status()
+        engine.close()
+        wait_until(lambda w=worker_id: _metric(fleet, "kvroute:worker_kv_event_blocks", w) == 0, 20, 0.2,
+                   f"{worker_id}'s AllBlocksCleared at the proxy")
     time.sleep(RECENT_S)
     for worker_id in fleet.workers:  # whichever serves it next, its view is its engine's own events
         wait_until(lambda w=worker_id: _view_state(fleet, w) == "exact", 20, 0.2,
