@@ -8,7 +8,7 @@ at high concurrency; the prompts are salted per cell, so every cell starts cold 
 per cell: failures and refusals, makespan, TTFT p50/p99 (to the first generated token), the engines' own
 prefix-cache hit rate and preemptions (from their /metrics), and for kvroute the workers it declared
 stalled, those that looked stalled but were kept (the last of their model) and the circuits it opened (from
-its log). Cells are interleaved route by route within a repeat.
+its log). Cells are interleaved route by route within a repeat, each repeat starting one route later.
 Run: `python -m bench.vllm_kv` (`--help` for the knobs); results go to bench/results/<date>-<name>.{md,json}.
 """
 
@@ -108,12 +108,18 @@ def system_prompt(vocab: BlockVocabulary, index: int, tokens: int, salt: str) ->
 
 
 def warm_up(fleet: VllmFleet, args: argparse.Namespace, vocab: BlockVocabulary) -> None:
-    """Each engine serves two full batches of the workload's shape, unmeasured, before the first cell: a CPU engine's
-    first batches of a new shape are slow, and whichever route ran first would pay for them."""
+    """A whole cell's workload, unmeasured, before the first cell, every engine serving its share at once at the
+    cells' concurrency: a CPU engine's first batches of a new shape are slow, and whichever route ran first would
+    pay for them (the route order also turns with each repeat, run())."""
     headers = {"Authorization": f"Bearer {fleet.api_key}"}
-    specs = workload(args, vocab, "warm-up")[:2 * args.max_num_seqs]
-    for url in fleet.urls:
-        asyncio.run(LoadGenerator(url, timeout_s=args.timeout_s, headers=headers).closed_loop(specs, args.max_num_seqs))
+    specs = workload(args, vocab, "warm-up")
+    n = len(fleet.urls)
+
+    async def serve_all() -> None:
+        await asyncio.gather(*(LoadGenerator(url, timeout_s=args.timeout_s, headers=headers).closed_loop(
+            specs[i::n], max(1, args.concurrency // n)) for i, url in enumerate(fleet.urls)))
+
+    asyncio.run(serve_all())
 
 
 def _delta(after: list[dict[str, float]], before: list[dict[str, float]], name: str) -> list[float]:
@@ -257,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
     with VllmFleet(args, log_dir) as fleet:
         warm_up(fleet, args, vocab)
         for repeat in range(args.repeats):
-            for route in routes:
+            turn = repeat % len(routes)  # each route goes first in turn: no route always meets the run's start
+            for route in routes[turn:] + routes[:turn]:
                 try:
                     row = run_cell(route, fleet, args, vocab, salt=f"r{repeat}-{route}")
                 except Exception as exc:  # one router that does not come up must not cost the other cells
