@@ -247,15 +247,17 @@ def start_peer(name: str, policy: str, worker_urls: list[str], port: int, metric
                 "--server-port", str(port), "--routing-strategy", policy, "--disable-cache-status",
                 "--log-level", "WARNING"]
         popen = spawn(args, log_path, env={"UVICORN_LOG_LEVEL": "warning"})
-        wait_ready(url, popen, log_path, path="/nodes/status")
-        for w in worker_urls:
-            models = json.loads(_get(w + "/v1/models")[1])["data"]
-            status = _post_json(url + "/nodes/add", {"url": w, "status": {"models": [m["id"] for m in models]}})
-            if status != 200:
-                popen_stop = RunningRouter(name, url, popen, log_path, ProcessTree(popen.pid))
-                popen_stop.stop()
-                raise RuntimeError(f"lmdeploy /nodes/add {w} answered {status}")
-        wait_ready(url, popen, log_path, path="/v1/models")
+        try:
+            wait_ready(url, popen, log_path, path="/nodes/status")
+            for w in worker_urls:
+                models = json.loads(_get(w + "/v1/models")[1])["data"]
+                status = _post_json(url + "/nodes/add", {"url": w, "status": {"models": [m["id"] for m in models]}})
+                if status != 200:
+                    raise RuntimeError(f"lmdeploy /nodes/add {w} answered {status}")
+            wait_ready(url, popen, log_path, path="/v1/models")
+        except BaseException:
+            RunningRouter(name, url, popen, log_path, ProcessTree(popen.pid)).stop()
+            raise
     else:
         raise ValueError(f"unknown peer {name}")
     return RunningRouter(f"{name}:{policy}", url, popen, log_path, ProcessTree(popen.pid))
