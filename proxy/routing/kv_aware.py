@@ -32,6 +32,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from proxy.request import RoutedRequest
 from proxy.routing.base import Decision, Policy
 from proxy.routing.candidates import Candidates, Entry, LoadCost, Roster
+from proxy.routing.eviction import evicted_tokens
 from proxy.routing_config import KvAwareConfig, PolicyKnobs
 from proxy.workers.loadview import WorkerLoad
 from proxy.workers.registry import Worker
@@ -82,22 +83,14 @@ def evict_cost_of(knobs: KvAwareConfig) -> EvictCost:
     """The eviction term of cost(): evict_cost(usage, capacity_tokens, hot_tokens, new_tokens) for a worker at
     projected KV usage `usage` whose engine keeps `hot_tokens` of prefixes routed there more than once (this
     request's own cached part taken out) and is sent `new_tokens` of KV. vLLM and TurboMind keep a finished
-    request's blocks among the free ones and reuse the least recently used first: what a request needs beyond the
-    free blocks that hold no hot prefix comes out of the hot ones, which a later request then prefills again."""
+    request's blocks among the free ones and reuse the least recently used first (eviction.py)."""
     weight = knobs.evict_weight * knobs.backlog_weight
     credit_base, per_share = knobs.cached_prefill_credit, knobs.credit_per_cache_share
 
     def evict_cost(usage: float, capacity: int, hot: int, new: int) -> float:
         if hot <= 0 or not weight:
             return 0.0
-        free = capacity * (1.0 - usage)
-        if not free > 0.0:
-            return 0.0  # nothing cached sits in free blocks: it waits for room rather than evicting
-        held = hot if hot < free else free
-        spill = held + new - free
-        if not spill > 0.0:
-            return 0.0
-        share = (spill if spill < held else held) / capacity
+        share = evicted_tokens(capacity * (1.0 - usage), hot, new) / capacity
         return weight * (credit_base + per_share * share) * share
 
     return evict_cost

@@ -26,6 +26,7 @@ from proxy.request import RoutedRequest
 from proxy.routing.base import Decision, Policy, PolicyDeps
 from proxy.routing.candidates import Candidates
 from proxy.routing.estimator import WorkerModel
+from proxy.routing.eviction import evicted_tokens
 from proxy.routing.prediction import KvCostPrediction
 from proxy.routing_config import KvCostConfig, PolicyKnobs
 from proxy.workers.loadview import LoadSnapshot
@@ -122,10 +123,7 @@ def _terms(load: LoadSnapshot, model: WorkerModel, prompt: int, media: int, outp
         queue = prefill_ahead + 0.0
 
     free = capacity - committed
-    hot = (hot_tokens if hot_tokens < capacity else capacity) - cached
-    evictable_hot = 0 if hot <= 0 else hot if free > 0.0 and hot <= free else free if free > 0.0 else 0.0
-    spill = evictable_hot + need - free
-    evicted = 0.0 if not spill > 0.0 else evictable_hot if evictable_hot <= spill else spill
+    evicted = evicted_tokens(free, (hot_tokens if hot_tokens < capacity else capacity) - cached, need)
     work = s_tok * uncached + s_vis * media_uncached
     saturation = fleet_waiting if fleet_waiting > backlog else backlog
     prefill, evict, delay = bias + work, s_tok * evicted, saturation * work
