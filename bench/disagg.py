@@ -35,6 +35,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from bench.disagg_report import render
 from bench.disagg_sweep import (
     ATTAINMENT,
@@ -129,8 +131,9 @@ def serving(args: argparse.Namespace, route: str, log_dir: Path) -> Iterator[tup
 
 
 def measure_load(args: argparse.Namespace, fleet: Fleet, router: RunningRouter, route: str,
-                 specs: list[RequestSpec]) -> dict[str, Any]:
-    """Send `specs` open loop through the router; the figures of that load (sim counters as deltas)."""
+                 specs: list[RequestSpec], cell: str = "") -> dict[str, Any]:
+    """Send `specs` open loop through the router; the figures of that load (sim counters as deltas). With --dump,
+    each request's outcome is appended there, labelled `cell`."""
     before = fleet.sim_states()
     cpu0 = router.tree.cpu_seconds()
     run = asyncio.run(LoadGenerator(router.url, record_gaps=True).open_loop(specs, gap_scale=1.0))
@@ -138,7 +141,22 @@ def measure_load(args: argparse.Namespace, fleet: Fleet, router: RunningRouter, 
     after = fleet.sim_states()
     row = measure(run, before, after, SHAPES[shape_of(route)[1]][0], args.time_scale, args.ttft_slo, args.itl_slo)
     row["router_cpu"] = router_cpu
+    if args.dump is not None:
+        dump_requests(args.dump, cell or route, run, args.time_scale)
     return row
+
+
+def dump_requests(path: Path, cell: str, run: RunResult, ts: float) -> None:
+    """One JSON line per request: its cell, workload part, workers (prefill,decode for a split), prompt and output
+    tokens, TTFT and TPOT in simulated seconds, HTTP status: what a cell's goodput is made of."""
+    def sim(seconds: float | None) -> float | None:
+        return None if seconds is None else round(seconds * ts, 6)
+
+    with path.open("ab") as out:
+        for r in run.results:
+            out.write(orjson.dumps({"cell": cell, "tag": r.tag, "worker": r.worker, "prompt_tokens": r.prompt_tokens,
+                                    "completion_tokens": r.completion_tokens, "sent_s": sim(r.sent_at),
+                                    "ttft_s": sim(r.ttft_s), "tpot_s": sim(r.itl_s), "status": r.status}) + b"\n")
 
 
 def family_rate(args: argparse.Namespace, family: str) -> float:
@@ -149,7 +167,8 @@ def family_rate(args: argparse.Namespace, family: str) -> float:
 def run_cell(args: argparse.Namespace, w: Workload, family: str, route: str, salt: str, log_dir: Path) -> dict[str, Any]:
     rate = family_rate(args, family)
     with serving(args, route, log_dir) as (fleet, router):
-        row = measure_load(args, fleet, router, route, w.specs(rate * args.time_scale, salt=salt, limit=args.requests))
+        row = measure_load(args, fleet, router, route, w.specs(rate * args.time_scale, salt=salt, limit=args.requests),
+                           salt)
     # goodput: the offered rate the route served within the SLO (every route is offered the same arrivals)
     row.update(family=family, route=route, rate=rate, goodput_per_s=rate * row["goodput_frac"])
     return row
@@ -167,7 +186,7 @@ def run_sweep_cell(args: argparse.Namespace, w: Workload, family: str, route: st
             rate = base * multiplier
             salt = f"{family}-{route}-{repeat}-x{multiplier:g}-{time.time()}"
             specs = salted(w.specs(rate * args.time_scale, salt=salt, limit=args.requests), salt)
-            row = measure_load(args, fleet, router, route, specs)
+            row = measure_load(args, fleet, router, route, specs, f"{family} {route} #{repeat} x{multiplier:g}")
             row.update(family=family, route=route, repeat=repeat, multiplier=multiplier, rate=rate,
                        attainment=row["goodput_frac"], goodput_per_s=rate * row["goodput_frac"],
                        idle_wait_s=idle_wait_s)
@@ -252,6 +271,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--sweep: the share of requests that must meet both SLOs for a step to pass")
     p.add_argument("--name", default="disagg", help="result file name after the date")
     p.add_argument("--out-dir", type=Path, default=None, help="default bench/results/")
+    p.add_argument("--dump", type=Path, default=None,
+                   help="append one JSON line per request (cell, workers, tokens, TTFT, TPOT) to this file")
     p.add_argument("--render", type=Path, default=None, help="only regenerate the markdown from this JSON file")
 
 

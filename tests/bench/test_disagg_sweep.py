@@ -192,3 +192,22 @@ def test_each_kvroute_route_names_its_decision_and_a_bad_shape_is_refused():
     assert parse_route_spec(shape_of("kvroute-split:4p4d")[2]).proxy == {"routing": {"disagg": {"split": "always"}}}
     with pytest.raises(ValueError):
         shape_of("kvroute-whole:8both")
+
+
+# ---- --dump ---------------------------------------------------------------------------------------------------------
+def test_dump_writes_each_requests_outcome_in_simulated_seconds(tmp_path: Path):
+    from bench.disagg import dump_requests
+    from bench.loadgen import Result, RunResult
+
+    run = RunResult([Result(0, "document", 200, 0.5, 4.0, ttft_s=1.2, worker="sim-0,sim-4", prompt_tokens=8000,
+                            completion_tokens=40, itl_s=0.08),
+                     Result(1, "chat", 503, 0.75, 0.1, error="no_healthy_worker")], wall_s=5.0, started_at=0.0)
+    path = tmp_path / "requests.jsonl"
+    dump_requests(path, "mixed_images kvroute:3p5d #0 x2", run, 0.25)
+    dump_requests(path, "mixed_images kvroute:3p5d #1 x2", run, 0.25)  # appended, not replaced
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == 4 and lines[2]["cell"] == "mixed_images kvroute:3p5d #1 x2"
+    assert lines[0] == {"cell": "mixed_images kvroute:3p5d #0 x2", "tag": "document", "worker": "sim-0,sim-4",
+                        "prompt_tokens": 8000, "completion_tokens": 40, "sent_s": 0.125, "ttft_s": 0.3,
+                        "tpot_s": 0.02, "status": 200}
+    assert (lines[1]["status"], lines[1]["ttft_s"], lines[1]["tpot_s"]) == (503, None, None)
