@@ -219,6 +219,7 @@ SECTIONS: tuple[tuple[str, str, tuple[Source, ...]], ...] = (
                "kvroute, sglang-router and vllm-router over the same engines in each repeat, each repeat starting "
                "with the next router, after a whole unmeasured cell; mean (min-max).",
                _vllm_kv_table),
+        Source("2026-12-04-vllm-kv-20x", "The same, kvroute and sglang-router only, 20 repeats", "", _vllm_kv_table),
         Source("2026-12-04-vllm-kv-turns", "The same, 3 repeats", "", _vllm_kv_table),
         Source("2026-12-04-vllm-kv-6x", "The same before the routers took turns going first (kvroute first in "
                "every repeat) and before the whole-cell warm-up", "", _vllm_kv_table),
