@@ -246,12 +246,18 @@ class SplitPolicy(Policy):
                                     encoder_cache=self.fleet.memory.held(e.worker_id, media)))
         wanted = RequestView(request.prompt_tokens, request.media_tokens, media, output)
         try:
-            chosen = plan(wanted, views, self.fleet.link(self.model), split=self.config.split,
+            explain = log.isEnabledFor(logging.DEBUG)
+            chosen = plan(wanted, views, self.fleet.link(self.model), explain=explain, split=self.config.split,
                           whole_on_prefill=whole_on_prefill)
         except ValueError:  # only prefill workers are left: each is a whole engine and answers a whole request
             worker = self.least_in_flight(pool)
             return Decision(worker, "prefill_worker_whole", request.expected_kv_tokens,
                             prefill_tokens=request.prompt_tokens)
+        if explain:
+            log.debug("model=%s prompt_tokens=%d media_tokens=%d -> %s; terms %s; passed over: %s", request.model,
+                      request.prompt_tokens, request.media_tokens, chosen.describe(),
+                      " ".join(f"{k}={v:.4g}" for k, v in chosen.terms.items()),
+                      "; ".join(f"{label} (cost {cost * 1000:.1f} ms)" for label, cost in chosen.alternatives))
         return self._decision(chosen, pool, encoders, request, media, cached_of)
 
     def _decision(self, chosen: Plan, pool: Sequence[Worker], encoders: Sequence[Worker], request: RoutedRequest,

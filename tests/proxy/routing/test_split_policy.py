@@ -5,6 +5,7 @@ the request whole; the other models keep their policy."""
 
 from __future__ import annotations
 
+import logging
 import random
 
 import orjson
@@ -103,6 +104,18 @@ def test_models_without_split_roles_keep_their_policy():
     _, routing = service({"w0": "both", "w1": "both"})
     assert routing.policy_for("m").name == "kv_aware"
     assert pick(routing, request()).plan is None
+
+
+def test_the_debug_log_shows_the_plan_its_terms_and_what_it_passed_over(caplog):
+    _, routing = service({"p0": "prefill", "d0": "decode", "d1": "decode"})
+    with caplog.at_level(logging.DEBUG, logger="kvroute.routing.split"):
+        pick(routing, request())
+    line = caplog.records[-1].getMessage()
+    assert "-> prefill on p0, decode on d" in line and "moved_tokens=" in line and "queue_s=" in line
+    assert "passed over: aggregated on d" in line  # the best plan of the other kind first
+    caplog.clear()
+    pick(routing, request())  # not at debug: nothing logged (and no alternatives built)
+    assert not caplog.records
 
 
 def test_the_legs_speak_vllms_disaggregated_protocol():
