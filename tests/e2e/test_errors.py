@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tests.support.fleet import FakeReports
+from tests.support.procs import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -77,12 +78,9 @@ def test_aliases_from_the_config_reach_the_served_model_and_are_listed(fleet):
     assert models["m1"]["owned_by"] == "sim"
 
 
-async def _queued(client: httpx.AsyncClient, url: str, model: str, n: int, deadline_s: float = 10.0) -> None:
-    """Wait until the proxy's admission queue for `model` holds `n` requests (GET /workers `queues`)."""
-    until = time.monotonic() + deadline_s
-    while (await client.get(url + "/workers")).json()["queues"].get(model, 0) != n:
-        assert time.monotonic() < until, f"{n} request(s) of {model} never queued at the proxy"
-        await asyncio.sleep(0.02)
+def _queued(fleet, model: str) -> int:
+    """Requests of `model` held in the proxy's admission queue (GET /workers `queues`)."""
+    return fleet.http.get(fleet.url + "/workers").json()["queues"].get(model, 0)
 
 
 def test_while_every_engine_is_queueing_the_proxy_holds_then_429_when_full_and_503_after_the_wait(fleet):
@@ -95,7 +93,8 @@ def test_while_every_engine_is_queueing_the_proxy_holds_then_429_when_full_and_5
         async with httpx.AsyncClient(timeout=30) as client:
             body = {"model": "m1", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
             first = asyncio.create_task(client.post(fleet.url + "/v1/chat/completions", json=body))
-            await _queued(client, fleet.url, "m1", 1)  # the first one holds the only queue slot
+            # the first one holds the only queue slot
+            await asyncio.to_thread(wait_until, lambda: _queued(fleet, "m1") == 1, 10, 0.02, "the first one queued")
             second = await client.post(fleet.url + "/v1/chat/completions", json=body)
             return [await first, second]
 
@@ -122,7 +121,7 @@ def test_a_queued_request_is_served_once_a_worker_has_room_again(fleet):
         async with httpx.AsyncClient(timeout=30) as client:
             pending = asyncio.create_task(client.post(fleet.url + "/v1/chat/completions", json={
                 "model": "m1", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}))
-            await _queued(client, fleet.url, "m1", 1)
+            await asyncio.to_thread(wait_until, lambda: _queued(fleet, "m1") == 1, 10, 0.02, "the request queued")
             assert not pending.done()
             await asyncio.to_thread(fleet.report, "busy", sim.url, 0.2)
             return await pending
