@@ -2,7 +2,9 @@
 
 Owns the waiting and running queues and what each step computes: running requests first
 (decode or their next prefill chunk), then waiting ones while `max_num_seqs`,
-`max_num_batched_tokens` and free KV blocks allow; preemption by recompute when blocks run out.
+`max_num_batched_tokens` and free KV blocks allow; preemption by recompute when blocks run out. A step's
+full blocks enter the prefix cache when it is scheduled, as in vLLM v1, so requests that share a prefix and are
+scheduled together compute it once.
 Prefix-cache counters as vLLM's (v1 PrefixCacheStats, 0.32): a request's first admission counts in
 prefix_queries/hit_tokens (vllm:prefix_cache_queries / _hits); the re-admission of a preempted one, which
 finds most of its own blocks still cached, counts apart (preempted_queries/hit_tokens), so a router whose
@@ -217,6 +219,7 @@ class Scheduler:
             if not self._allocate_or_preempt(request, num_new, preempted):
                 break  # the request preempted itself: nothing after it can run either
             scheduled.append((request, num_new))
+            self._cache_scheduled(request, num_new)
             budget -= num_new
             index += 1
 
@@ -250,9 +253,17 @@ class Scheduler:
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 scheduled.append((request, num_new))
+                self._cache_scheduled(request, num_new)
                 budget -= num_new
 
         return ScheduledStep(scheduled, self._work_of(scheduled), preempted, parked)
+
+    def _cache_scheduled(self, request: SimRequest, num_new: int) -> None:
+        """vLLM v1 puts the full blocks a step will compute in the prefix cache when it schedules them
+        (KVCacheManager.allocate_slots): a request scheduled after it, in this step or later, reuses them instead
+        of computing them again. Only the request's tokens so far: never an output token not yet sampled."""
+        self.kv.cache_full_blocks(request.request_id, request.token_ids,
+                                  min(request.num_computed_tokens + num_new, request.num_tokens))
 
     @staticmethod
     def _work_of(scheduled: list[tuple[SimRequest, int]]) -> StepWork:
@@ -281,8 +292,7 @@ class Scheduler:
         for request, num_new in step.scheduled:
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += num_new
-            self.kv.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+            request.num_computed_tokens += num_new  # (its blocks entered the prefix cache when scheduled)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk: no token yet
             if request.num_output_tokens == 0:

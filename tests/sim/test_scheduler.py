@@ -140,6 +140,30 @@ def test_a_repeated_prompt_is_admitted_with_prefix_hits():
     assert scheduler.prefix_hit_tokens == 288 and scheduler.prefix_queries_tokens == 600
 
 
+def test_requests_sharing_a_new_prefix_in_one_step_compute_it_once_as_vllm_v1_does():
+    # vLLM v1 caches the blocks a step will compute when it schedules them: the second request of the step
+    # reuses the first's, and so does one admitted while the first's later chunks are still being computed
+    kv = KVCache(num_blocks=64, block_size=16)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=1024)
+    system = list(range(300))
+    first = SimRequest("a", Prompt(system + [900, 901]), 2)
+    second = SimRequest("b", Prompt(system + [902, 903]), 2)
+    scheduler.add(first)
+    scheduler.add(second)
+    step = scheduler.schedule()
+    assert step.scheduled == [(first, 302), (second, 302 - 288)]
+    assert step.work.prefill_tokens == 302 + 14 and second.num_cached_tokens == 288
+    assert scheduler.prefix_hit_tokens == 288
+    chunked = Scheduler(KVCache(num_blocks=64, block_size=16), max_num_seqs=4, max_num_batched_tokens=160)
+    third, fourth = SimRequest("c", Prompt(system + [904]), 2), SimRequest("d", Prompt(system + [905]), 2)
+    chunked.add(third)
+    chunked.update(chunked.schedule())  # its first chunk: 160 tokens
+    chunked.add(fourth)
+    # the running one's last chunk first, then the newcomer: it hits the blocks that chunk is computing
+    assert chunked.schedule().scheduled == [(third, 141), (fourth, 301 - 288)]
+    assert fourth.num_cached_tokens == 288
+
+
 def test_abort_frees_blocks_at_once():
     kv = KVCache(num_blocks=16, block_size=16)
     scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=1024)
