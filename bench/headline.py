@@ -46,6 +46,7 @@ TRACE_NOTES = {  # what a title says of a run other than TRACE_RUNS[0]
                                         "bench/results/2026-12-04-ttft-floor-traces.md)",
 }
 EXACT_TOKENS = "2026-12-03-exact-tokens-overhead"
+QUALITY_PEERS = "2026-12-04-quality-peers-simcache"  # the README's quality table: closed loop and 95% load
 
 
 def _load(stem: str, results: Path) -> Any:
@@ -151,7 +152,12 @@ SECTIONS: tuple[tuple[str, str, tuple[Source, ...]], ...] = (
                  "(bench/traces.py), open loop at 50/80/95% of the measured capacity; the four routes side by side "
                  "in each repeat; then each cell against the bar (TTFT p90 and p99 at most 0.8x the best peer's).",
                  lambda d: trace_table(d) + "\n\n" + quality_verdicts(d), quality_meta) for stem in TRACE_RUNS),
-        Source("2026-12-02-quality-closed-peers-prefill-admission", "Every peer, closed loop",
+        Source(QUALITY_PEERS, "Every peer, closed loop and 95% load",
+               "kvroute's default beside the peer routers' policies that were ever the best peer in a family (the "
+               "runs below), on sims that cache a block when its step is scheduled, as vLLM v1 does "
+               "([design/sim.md](design/sim.md#the-prefix-cache-when-a-computed-block-can-be-reused)); every run "
+               "below used sims that cached it after its step.", quality_table, quality_meta),
+        Source("2026-12-02-quality-closed-peers-prefill-admission", "Every peer, closed loop (before)",
                "kvroute's default beside each peer router's policies.", quality_table, quality_meta),
         Source("2026-12-02-quality-open95-peers-prefill-admission", "Every peer, 95% load (1 of 2)",
                "kv_pressure, zipf_hot, sessions.", quality_table, quality_meta),
@@ -269,11 +275,9 @@ def _fig(text: str, stem: str) -> str:
 def _quality_summary(results: Path) -> str:
     from bench.quality_report import metric_mean
 
-    closed_stem = "2026-12-02-quality-closed-peers-prefill-admission"
-    open_stems = ("2026-12-02-quality-open95-peers-prefill-admission",
-                  "2026-12-02-quality-open95-peers-lbt-prefill-admission")
-    closed = aggregates(_load(closed_stem, results))
-    opened = [(stem, a) for stem in open_stems for a in aggregates(_load(stem, results))]
+    closed_stem, open_stems = QUALITY_PEERS, (QUALITY_PEERS,)
+    closed = [a for a in aggregates(_load(closed_stem, results)) if a["load"] == "closed"]
+    opened = [(stem, a) for stem in open_stems for a in aggregates(_load(stem, results)) if a["load"] == "0.95"]
     rows = []
     for family in dict.fromkeys(a["family"] for a in closed):
         row = [family]
@@ -373,7 +377,8 @@ def readme_block(results: Path = RESULTS_DIR) -> str:
     return "\n".join([
         BEGIN, "",
         "**Routing quality against the peer routers** (4 sim workers, 1000 requests per cell, mean of 3 repeats; "
-        "a peer that failed or refused requests in a family is left out there):", "",
+        "peers: sglang-router `cache_aware`, vllm-router `cache_aware` and `power_of_two`, LMDeploy's "
+        "`min_expected_latency`; a peer that failed or refused requests in a family is left out there):", "",
         _quality_summary(results), "",
         "**Proxy overhead** (4 fast sim workers, the three workloads of `kvroute bench overhead`; round-robin peers in "
         "docs/performance.md):", "",
