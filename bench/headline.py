@@ -157,12 +157,12 @@ SECTIONS: tuple[tuple[str, str, tuple[Source, ...]], ...] = (
                  "(bench/traces.py), open loop at 50/80/95% of the measured capacity; the four routes side by side "
                  "in each repeat; then each cell against the bar (TTFT p90 and p99 at most 0.8x the best peer's).",
                  lambda d: trace_table(d) + "\n\n" + quality_verdicts(d), quality_meta) for stem in TRACE_RUNS),
-        Source(QUALITY_PEERS, "Every peer, closed loop and 95% load",
+        Source(QUALITY_PEERS, "Every peer on the corrected sim, closed loop and 95% load",
                "kvroute's default beside the peer routers' policies that were ever the best peer in a family (the "
                "runs below), on sims that cache a block when its step is scheduled, as vLLM v1 does "
                "([design/sim.md](design/sim.md#the-prefix-cache-when-a-computed-block-can-be-reused)); every run "
                "below used sims that cached it after its step.", quality_table, quality_meta),
-        Source("2026-12-02-quality-closed-peers-prefill-admission", "Every peer, closed loop (before)",
+        Source("2026-12-02-quality-closed-peers-prefill-admission", "Every peer, closed loop",
                "kvroute's default beside each peer router's policies.", quality_table, quality_meta),
         Source("2026-12-02-quality-open95-peers-prefill-admission", "Every peer, 95% load (1 of 2)",
                "kv_pressure, zipf_hot, sessions.", quality_table, quality_meta),
