@@ -280,16 +280,13 @@ def _fig(text: str, stem: str) -> str:
 def _quality_summary(results: Path) -> str:
     from bench.quality_report import metric_mean
 
-    closed_stem, open_stems = QUALITY_PEERS, (QUALITY_PEERS,)
-    closed = [a for a in aggregates(_load(closed_stem, results)) if a["load"] == "closed"]
-    opened = [(stem, a) for stem in open_stems for a in aggregates(_load(stem, results)) if a["load"] == "0.95"]
+    stem = QUALITY_PEERS  # closed loop and 95% load in one run
+    every = aggregates(_load(stem, results))
     rows = []
-    for family in dict.fromkeys(a["family"] for a in closed):
+    for family in dict.fromkeys(a["family"] for a in every):
         row = [family]
-        for stem, aggs, metric, scale, unit in ((closed_stem, [a for a in closed if a["family"] == family],
-                                                 "makespan_s", 1.0, " s"),
-                                                (next((s for s, a in opened if a["family"] == family), ""),
-                                                 [a for _, a in opened if a["family"] == family], "ttft_p99", 1000, " ms")):
+        for load, metric, scale, unit in (("closed", "makespan_s", 1.0, " s"), ("0.95", "ttft_p99", 1000, " ms")):
+            aggs = [a for a in every if a["family"] == family and a["load"] == load]
             mine = next((a for a in aggs if a["route"] == "kvroute:default"), None)
             best = best_peer(aggs, metric, lowest=True)
             digits = 1 if metric == "makespan_s" else 0
