@@ -150,6 +150,8 @@ class ProxyReporter:
                 log.info("proxy %s not reachable (%s)", redact_text(self.proxy_url), exc)
                 if self._next_proxy():
                     continue  # try the next proxy at once; back off once all of them failed in a row
+            except Exception:  # an answer it cannot read (not a proxy's): a worker never stops trying to register
+                log.exception("registering with %s failed", redact_text(self.proxy_url))
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 

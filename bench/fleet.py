@@ -135,15 +135,29 @@ def scrape_metrics(base_url: str, timeout: float = 2.0) -> dict[str, float]:
     return promtext.parse(body.decode(errors="replace")).totals()
 
 
-def _registered_workers(proxy_url: str) -> int:
-    status, body = _get(proxy_url + "/workers")
+def _listed_workers(proxy_url: str) -> list[dict] | None:
+    """The proxy's GET /workers list, or None when it does not answer."""
+    status, body = _get(proxy_url + "/workers", 2.0)
     if status != 200:
-        return -1
-    import json
-
+        return None
     data = json.loads(body)
     items = data.get("workers", data) if isinstance(data, dict) else data
-    return sum(1 for w in items if str(w.get("state", "ready")) == "ready")
+    return [w for w in items if isinstance(w, dict)]
+
+
+def _registered_workers(proxy_url: str) -> int:
+    items = _listed_workers(proxy_url)
+    return -1 if items is None else sum(1 for w in items if str(w.get("state", "ready")) == "ready")
+
+
+def _registration_report(fleet: Fleet, router_log: Path) -> str:
+    """Why the fleet did not register: the proxy's view of each worker, its own log, and each sim's log tail."""
+    items = _listed_workers(fleet.proxy_url)
+    seen = "no answer from /workers" if items is None else "\n".join(
+        f"  {w.get('worker_id')} {w.get('url')} state={w.get('state')} error={w.get('last_error')}" for w in items)
+    sims = "".join(f"\n--- {path.name} ---\n{path.read_text(errors='replace')[-1500:]}"
+                   for path in sorted(fleet.log_dir.glob("sim-*.log")) if path.is_file())
+    return f"the proxy lists:\n{seen or '  nothing'}\n--- {router_log.name} ---\n{router_log.read_text()[-2000:]}{sims}"
 
 
 def kvroute_command(policy_spec: str, port: int, log_dir: Path) -> tuple[str, list[str]]:
@@ -185,7 +199,7 @@ def start_kvroute(fleet: Fleet, policy: str, timeout: float = 60.0) -> RunningRo
         while _registered_workers(url) < len(fleet.urls):
             if time.monotonic() > deadline or popen.poll() is not None:
                 raise TimeoutError(f"only {_registered_workers(url)} of {len(fleet.urls)} workers registered "
-                                   f"with kvroute:\n{log_path.read_text()[-2000:]}")
+                                   f"with kvroute; {_registration_report(fleet, log_path)}")
             time.sleep(0.1)
     except BaseException:
         router.stop()

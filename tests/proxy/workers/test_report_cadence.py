@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
@@ -78,3 +79,38 @@ async def test_a_worker_never_reports_slower_than_it_was_told_to(proxy_server):
         assert reporter.interval_s == 0.02  # its own bound wins over the proxy's 0.05
     finally:
         await reporter.stop()
+
+
+async def test_a_worker_keeps_registering_through_answers_it_cannot_read(proxy_server):
+    """Whatever answers first at the proxy's address (a stray server, a proxy mid-restart), the reporter
+    must go on trying: before, an unreadable 200 ended its task and the worker never registered."""
+    from aiohttp import web
+
+    real = str(proxy_server.make_url("")).rstrip("/")
+    answers = {"n": 0}
+
+    async def register(request: web.Request) -> web.StreamResponse:
+        answers["n"] += 1
+        if answers["n"] == 1:
+            return web.Response(status=200, text="<html>not a proxy</html>", content_type="application/json")
+        if answers["n"] == 2:
+            return web.json_response({"unexpected": True})
+        async with aiohttp.ClientSession() as session:  # then the real proxy answers
+            async with session.post(real + "/workers", data=await request.read(),
+                                    headers={"Content-Type": "application/json"}) as resp:
+                return web.Response(status=resp.status, body=await resp.read(), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/workers", register)
+    front = TestServer(app, host="127.0.0.1")
+    await front.start_server()
+    registration = WorkerRegistration(worker_id="w0", url="http://127.0.0.1:9", models=["m"], engine="sim")
+    reporter = ProxyReporter(str(front.make_url("")).rstrip("/"), registration, _idle_load)
+    await reporter.start()
+    try:
+        await asyncio.wait_for(reporter.registered.wait(), 10)
+        assert answers["n"] == 3 and reporter.worker_id == "w0"
+        assert proxy_server.app[REGISTRY_KEY].get("w0") is not None
+    finally:
+        await reporter.stop(deregister=False)
+        await front.close()
