@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from proxy.engine_env import ENGINE_ENV_NAMES, ENGINE_ENV_PREFIXES, engine_env_allowed
+from proxy.media_config import MediaUrlPolicy
 from proxy.pools import EcTransfer, KvTransfer, Pool, PoolConfigError, check_pools
 from proxy.routing_config import PolicyKnobs, RoutingConfig
 
@@ -166,6 +167,7 @@ class ProxyConfig(_Strict):
         "OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing"))
     access_log: bool = Field(True, description="one JSON line per /v1 request on the kvroute.access logger (INFO)")
     limits: ProxyLimits = Field(default_factory=ProxyLimits)
+    media_urls: MediaUrlPolicy = Field(default_factory=MediaUrlPolicy)
 
     @field_validator("api_keys", mode="before")
     @classmethod

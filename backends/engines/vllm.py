@@ -155,6 +155,9 @@ class VllmAdapter:
 
     def environment(self, launch: EngineLaunch, base: Mapping[str, str]) -> dict[str, str]:
         env = dict(base)
+        # a media URL the proxy let through (public: proxy/security/media_urls.py) must not redirect the engine's
+        # fetch into the fleet's own networks; an operator who needs redirects sets it in the model's env
+        env.setdefault("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "0")
         if launch.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(launch.gpus)
         if launch.device == "cpu":

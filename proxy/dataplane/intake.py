@@ -1,8 +1,8 @@
 """The first stage of a completion's journey: from a parsed HTTP request to a Trip ready to route.
 
 Owns, in order: the client's credentials, loop detection (508), parsing the body (large ones off the event
-loop), which model the name means (404), the request-shape limits (400), the client's own rate and token
-limits (429), and then what routing needs: the policy, the upstream head, whether the stream may migrate.
+loop), which model the name means (404), the request-shape limits (400), the media URLs an engine may fetch
+(400), the client's own rate and token limits (429), and then what routing needs: the policy, the upstream head, whether the stream may migrate.
 Nothing here talks to a worker.
 """
 
@@ -23,6 +23,7 @@ from proxy.routing.media_ids import body_with_media_uuids
 from proxy.routing.service import RoutingService
 from proxy.security.clientauth import ClientAuth
 from proxy.security.limits import check_request
+from proxy.security.media_urls import MediaUrlGuard
 
 # Bodies larger than this are parsed in a worker thread: validating a 32 MB prompt of token ids is
 # a second of Python that would otherwise stall every other request on the loop.
@@ -39,6 +40,7 @@ class Intake:
         self.client_auth = client_auth
         self.metrics = metrics
         self.instance_id = instance_id
+        self.media_urls = MediaUrlGuard()
 
     async def admit(self, trip: Trip) -> None:
         req = trip.req
@@ -61,6 +63,8 @@ class Intake:
         await self.routing.tokenizers.count(routed, served)  # the engine's own count where it matters
         trip.watch.parsed(served, routed.stream, principal, routed.prompt_tokens)
         check_request(routed, self.live.config, served)
+        if routed.media_count:  # no engine is made to fetch from the fleet's own networks
+            await self.media_urls.check(routed.payload, self.live.proxy.media_urls)
         await self.client_auth.admit(principal, served, routed.expected_kv_tokens)
         self._prepare(trip, routed, served)
 

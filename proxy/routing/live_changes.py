@@ -14,7 +14,7 @@ from proxy.routing.base import policy_names
 # Read per request (dispatch, admission, upstream) or per drain: a new value takes effect at once. `routing`'s
 # knobs go to the running policies, prefix index, estimator and load views (what they learnt is kept).
 LIVE_PROXY_KEYS = ("policy", "retries", "migrations", "kv_high_water", "timeouts", "queue", "routing", "drain_grace_s",
-                   "log_level")
+                   "log_level", "media_urls")
 # The command line may set these (`--host`, `--port 0`): a file that does not say them changes nothing.
 _COMMAND_LINE_KEYS = ("host", "port")
 

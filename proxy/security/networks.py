@@ -57,6 +57,11 @@ def _address(host: str) -> IPAddress | None:
     return addr
 
 
+def address_of(host: str) -> IPAddress | None:
+    """The address an IP literal names, in any form a resolver accepts (IPv4-mapped IPv6 as IPv4); None for a name."""
+    return _address(host)
+
+
 def is_worker_url(url: str) -> bool:
     """An absolute http(s) URL with a usable host and port: anything else fails every request later."""
     try:

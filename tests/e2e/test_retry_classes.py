@@ -17,7 +17,8 @@ pytestmark = pytest.mark.timeout(120)
 
 def _bad_image_chat(url: str) -> httpx.Response:
     return httpx.post(url + "/v1/chat/completions", timeout=30, json={"model": "m1", "max_tokens": 4, "messages": [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://unreachable.invalid/a.png"}},
+        # a public address (the proxy lets it through) the engine fails to fetch from
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://93.184.215.14/unreachable.invalid/a.png"}},
                                      {"type": "text", "text": "what is this?"}]}]})
 
 

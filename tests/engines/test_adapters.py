@@ -237,3 +237,9 @@ def test_vllm_publishes_its_kv_events_where_the_worker_reads_them_hashed_as_the_
         assert vllm.kv_event_scheme(launch(engine_args=args), {}) is None
     assert "--kv-events-config" not in vllm.command(launch())
     assert TurbomindAdapter().kv_event_scheme(launch(), {}) is None
+
+
+def test_vllm_engines_do_not_follow_media_redirects_unless_the_operator_says_so():
+    adapter = VllmAdapter()  # a public image URL must not redirect the engine's fetch into the fleet's network
+    assert adapter.environment(launch(), {})["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "0"
+    assert adapter.environment(launch(), {"VLLM_MEDIA_URL_ALLOW_REDIRECTS": "1"})["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "1"
