@@ -97,10 +97,7 @@ class MediaUrlGuard:
                     raise refusal
 
     async def _host_refusal(self, host: str, param: str, networks: tuple[IPNetwork, ...]) -> ProxyError | None:
-        try:
-            addresses = await self._resolve(host)
-        except (OSError, TimeoutError, UnicodeError):
-            addresses = []
+        addresses = await self._resolve(host)
         if not addresses:
             return _refused(param, f"The media URL's host `{host}` does not resolve.")
         for text in addresses:
@@ -127,7 +124,10 @@ class MediaUrlGuard:
         if cached is not None and cached[0] > now:
             self._resolved.move_to_end(host)
             return cached[1]
-        addresses = await resolve(host)
+        try:
+            addresses = await resolve(host)
+        except (OSError, TimeoutError, UnicodeError):
+            addresses = []  # remembered too: a name that does not resolve costs one lookup per TTL
         self._resolved[host] = (now + _CACHE_TTL_S, addresses)
         self._resolved.move_to_end(host)
         while len(self._resolved) > _CACHE_SIZE:
