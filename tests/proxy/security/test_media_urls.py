@@ -121,3 +121,27 @@ def test_a_listed_network_lets_its_urls_through(fleet):
     (sim,) = fleet.start_sims(1)
     resp = httpx.post(fleet.url + "/v1/chat/completions", json=chat(f"{sim.url}/img.png"), timeout=30)
     assert resp.status_code == 200, resp.text
+
+
+def test_a_name_that_does_not_resolve_is_looked_up_once_per_ttl_not_once_per_request(monkeypatch):
+    import proxy.security.media_urls as module
+
+    lookups: list[str] = []
+
+    async def failing(host: str) -> list[str]:
+        lookups.append(host)
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(module, "resolve", failing)
+    guard = MediaUrlGuard()
+
+    async def twice() -> list[ProxyError]:
+        errors = []
+        for _ in range(2):
+            with pytest.raises(ProxyError) as err:
+                await guard.check(chat("http://gone.example.invalid/x.png"), MediaUrlPolicy())
+            errors.append(err.value)
+        return errors
+
+    errors = asyncio.run(twice())
+    assert [e.code for e in errors] == ["media_url_refused"] * 2 and lookups == ["gone.example.invalid"]
