@@ -2,8 +2,8 @@
 
 Owns, in order: the client's credentials, loop detection (508), parsing the body (large ones off the event
 loop), which model the name means (404), the request-shape limits (400), the media URLs an engine may fetch
-(400), the client's own rate and token limits (429), and then what routing needs: the policy, the upstream head, whether the stream may migrate.
-Nothing here talks to a worker.
+(400), the client's own rate and token limits (429), and then what routing needs: the policy, the upstream
+head, whether the stream may migrate. Nothing here talks to a worker.
 """
 
 from __future__ import annotations
