@@ -59,10 +59,15 @@ class KvMirror:
         return min(DEFAULT_MAX_BLOCKS, int(self.capacity_blocks * CAPACITY_SLACK) + 64)
 
     # --- the engine's side ----------------------------------------------------------------------
-    def stored(self, hashes: Iterable[int], block_size: int | None = None) -> None:
+    def learn_block_size(self, block_size: int) -> None:
+        """The engine's block size, from its first event or its metrics: the proxy needs it to match prompts."""
         if block_size and self.block_size is None:
-            self.block_size = block_size  # learnt from the engine's first event: the proxy needs it to match
+            self.block_size = block_size
             self._snapshot_due = True
+
+    def stored(self, hashes: Iterable[int], block_size: int | None = None) -> None:
+        if block_size:
+            self.learn_block_size(block_size)
         copies, before = self._copies, self._before
         for h in hashes:
             held = copies.get(h, 0)

@@ -236,9 +236,12 @@ class EngineKvFeed:
         self.mirror = KvMirror(hash_algo, hash_seed, block_size, capacity_blocks)
         self.subscriber = KvSubscriber(self.endpoints, self.mirror)
 
-    def capacity_from(self, capacity_tokens: int | None) -> None:
-        """The engine's KV capacity as its load says (bounds the mirror, tells the proxy its size)."""
+    def capacity_from(self, capacity_tokens: int | None, block_size: int | None = None) -> None:
+        """The engine's KV capacity and block size as its load says (bounds the mirror, tells the proxy its size;
+        the block size lets the proxy hash prompts before the engine's first stored block names it)."""
         mirror = self.mirror
+        if block_size:
+            mirror.learn_block_size(block_size)
         if capacity_tokens and mirror.block_size:
             mirror.capacity_blocks = max(1, capacity_tokens // mirror.block_size)
 

@@ -33,6 +33,7 @@ class Load:
     num_waiting: int
     prefix_cache_hit_rate: float = 0.0
     kv_capacity_tokens: int | None = None  # None: keep the registration's value
+    kv_block_size: int | None = None  # tokens per KV block, where the engine says (its KV events' block hashes)
     # the engine's recent speed, when the adapter can measure it (wall-clock seconds; None: unknown)
     prefill_tokens_per_s: float | None = None
     decode_step_s: float | None = None

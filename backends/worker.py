@@ -262,7 +262,7 @@ class Supervisor:
         try:
             self.last_load = await self.adapter.read_load(self.session, self.local_url)
             if self.kv_feed is not None:
-                self.kv_feed.capacity_from(self.last_load.kv_capacity_tokens)
+                self.kv_feed.capacity_from(self.last_load.kv_capacity_tokens, self.last_load.kv_block_size)
         except (TimeoutError, aiohttp.ClientError):
             if self.proc is None or self.proc.returncode is None:
                 raise

@@ -168,6 +168,16 @@ def kv_usage(metrics: Metrics, names: Iterable[str]) -> float | None:
     return None
 
 
+def kv_block_size(metrics: Metrics, info_name: str) -> int | None:
+    """Tokens per KV block, from the `block_size` label of an info series (vLLM's `cache_config_info`); None if absent."""
+    for sample in metrics.samples(info_name):
+        try:
+            return int(sample.labels["block_size"]) or None
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
 def kv_capacity_tokens(metrics: Metrics, info_name: str) -> int | None:
     """Tokens of KV cache, summed over label sets of an info series with `num_gpu_blocks` and `block_size`
     labels (vLLM's `cache_config_info`, one per engine rank); None if absent."""

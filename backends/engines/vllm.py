@@ -191,6 +191,7 @@ class VllmAdapter:
             num_waiting=int(metrics.total(WAITING) or 0),
             prefix_cache_hit_rate=self._prefix.update(metrics.total(PREFIX_QUERIES), metrics.total(PREFIX_HITS)),
             kv_capacity_tokens=promtext.kv_capacity_tokens(metrics, CACHE_CONFIG),
+            kv_block_size=promtext.kv_block_size(metrics, CACHE_CONFIG),
             prefill_tokens_per_s=self._speed.prefill_tokens_per_s,
             decode_step_s=self._speed.decode_step_s,
             max_num_batched_tokens=self._step_tokens,

@@ -81,6 +81,7 @@ def test_vllm_load_reads_usage_queue_capacity_and_interval_hit_rate():
     first = adapter.load_from_metrics(VLLM_METRICS_TEXT)
     assert (first.kv_cache_usage, first.num_running, first.num_waiting) == (0.8125, 7, 3)
     assert first.kv_capacity_tokens == 32 * 128
+    assert first.kv_block_size == 128  # the proxy hashes prompts in blocks of this size
     later = VLLM_METRICS_TEXT.replace("queries_total{engine=\"0\",model_name=\"tiny\"} 1000.0",
                                       "queries_total{engine=\"0\",model_name=\"tiny\"} 1100.0") \
                              .replace("hits_total{engine=\"0\",model_name=\"tiny\"} 250.0",

@@ -93,3 +93,17 @@ def test_the_block_size_learnt_from_the_first_event_goes_out_in_a_snapshot():
     m.stored([1, 2], block_size=128)
     batch = m.take_batch(now=1.0)
     assert batch.snapshot and batch.block_size == 128 and set(unpack_hashes(batch.stored)) == {1, 2}
+
+
+def test_an_engine_that_stored_nothing_yet_still_names_its_block_size_from_its_metrics():
+    """A worker whose engine has served nothing must still give the proxy an exact (empty) view: the block size
+    comes from the engine's metrics (vLLM's cache_config_info) before any stored block names it."""
+    from backends.kv_subscriber import EngineKvFeed
+
+    feed = EngineKvFeed("sha256_cbor", "vllm-none-hash")
+    assert feed.mirror.take_batch(now=0.0).block_size is None
+    feed.capacity_from(4096, block_size=128)
+    batch = feed.mirror.take_batch(now=1.0)
+    assert batch.snapshot and batch.complete and batch.block_size == 128 and batch.capacity_blocks == 32
+    feed.capacity_from(4096, block_size=16)  # the first size it learnt stays (an engine's block size is fixed)
+    assert feed.mirror.block_size == 128
