@@ -42,3 +42,12 @@ def test_routing_knobs_change_live_globally_and_per_model():
     assert change.live == ["proxy.routing", "models[0].routing"] and change.restart == []
     assert change.config.proxy.routing.admission.admit_after_output is False
     assert change.config.model("m").routing.kv_aware.prefix_weight == 0.5
+
+
+def test_the_media_url_policy_changes_live():
+    new = parse_config("proxy:\n  media_urls: {allowed_networks: [10.20.0.0/16]}\nmodels: []\n")
+    change = merge(RUNNING, new)
+    assert change.live == ["proxy.media_urls"] and change.restart == []
+    assert change.config.proxy.media_urls.allowed_networks == ["10.20.0.0/16"]
+    with pytest.raises(ConfigError, match="not a CIDR network"):
+        parse_config("proxy:\n  media_urls: {allowed_networks: [intranet]}\nmodels: []\n")
