@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from proxy.cidrs import checked_cidrs
 from proxy.engine_env import ENGINE_ENV_NAMES, ENGINE_ENV_PREFIXES, engine_env_allowed
 from proxy.media_config import MediaUrlPolicy
 from proxy.pools import EcTransfer, KvTransfer, Pool, PoolConfigError, check_pools
@@ -186,14 +187,7 @@ class ProxyConfig(_Strict):
     @field_validator("worker_networks", "trusted_worker_networks")
     @classmethod
     def _cidrs(cls, v: list[str]) -> list[str]:
-        import ipaddress
-
-        for cidr in v:
-            try:
-                ipaddress.ip_network(cidr, strict=False)
-            except ValueError:
-                raise ValueError(f"not a CIDR network: {cidr!r}") from None
-        return v
+        return checked_cidrs(v)
 
 
 class StateTLS(_Strict):

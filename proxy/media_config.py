@@ -3,9 +3,9 @@ verdict on a request is proxy/security/media_urls.py's)."""
 
 from __future__ import annotations
 
-import ipaddress
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from proxy.cidrs import checked_cidrs
 
 
 class MediaUrlPolicy(BaseModel):
@@ -22,9 +22,4 @@ class MediaUrlPolicy(BaseModel):
     @field_validator("allowed_networks")
     @classmethod
     def _cidrs(cls, v: list[str]) -> list[str]:
-        for cidr in v:
-            try:
-                ipaddress.ip_network(cidr, strict=False)
-            except ValueError:
-                raise ValueError(f"not a CIDR network: {cidr!r}") from None
-        return v
+        return checked_cidrs(v)

@@ -18,7 +18,7 @@ MAX_LINES = 450
 # top, an entry point.
 LAYERS = (
     {"errors", "engine_env", "kvevents", "identifiers", "routing_config", "protocol", "pools", "config", "gctuning",
-     "promtext", "media_config"},
+     "promtext", "media_config", "cidrs"},
     {"tokens"},         # counting prompts as the engines do (a library: nothing of the proxy's state)
     {"request"},        # one parsed client request
     {"security"},       # who may call, what input may hold, secrets at rest
