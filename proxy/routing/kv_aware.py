@@ -5,10 +5,12 @@ prefixes from prefix_index.py, candidates from candidates.py's rosters, the weig
 (`proxy.routing.kv_aware`, routing_config.KvAwareConfig; a model's own under `models[].routing`).
 
     cost(w) = projected_kv_usage(w) + queue_weight * queue_depth(w) + inflight_weight * in_flight(w)
-            - prefix_weight * min(1, cached_tokens(w) / prefix_saturation_tokens) * cached_tokens(w) / prompt_tokens
+            - prefix_weight * max(min(1, cached_tokens(w) / prefix_saturation_tokens),
+                                  prefix_bonus_per_step * cached_tokens(w) / step_tokens(w)) * cached_tokens(w) / prompt_tokens
             + backlog_weight * (prefill_backlog(w) - credit(w) * cached_tokens(w)) / capacity(w)
             + evict_weight * backlog_weight * credit(evicted(w)) * evicted(w) / capacity(w)
     credit(t) = cached_prefill_credit + credit_per_cache_share * t / capacity(w)
+    step_tokens(w) = the engine's token budget per scheduler step (max_num_batched_tokens, as its worker reports)
     evicted(w) = the hot prefix tokens (routed there more than once, not this request's) that the request's
                  new KV pushes out of the engine's free blocks: min(hot, free) + new - free, within [0, min(hot, free)]
 
@@ -34,7 +36,7 @@ from proxy.routing.base import Decision, Policy
 from proxy.routing.candidates import Candidates, Entry, LoadCost, Roster
 from proxy.routing.eviction import evicted_tokens
 from proxy.routing_config import KvAwareConfig, PolicyKnobs
-from proxy.workers.loadview import WorkerLoad
+from proxy.workers.loadview import STEP_TOKENS_ASSUMED, WorkerLoad
 from proxy.workers.registry import Worker
 
 log = logging.getLogger("kvroute.routing.kv_aware")
@@ -42,7 +44,7 @@ log = logging.getLogger("kvroute.routing.kv_aware")
 
 # The cost functions below are closures over one KvAwareConfig's weights: they run for every scored worker, and
 # reading a closure's cells is ~3x cheaper than a pydantic model's attributes.
-PrefixBonus = Callable[[RoutedRequest, int, int, float], float]
+PrefixBonus = Callable[[RoutedRequest, int, int, float, int], float]
 EvictCost = Callable[[float, int, int, int], float]
 WorkerCost = Callable[[WorkerLoad, RoutedRequest, int, int, float], float]
 
@@ -60,17 +62,22 @@ def load_cost_of(knobs: KvAwareConfig) -> LoadCost:
 
 
 def prefix_bonus_of(knobs: KvAwareConfig) -> PrefixBonus:
-    """The prefix terms of cost(): prefix_bonus(request, cached, capacity_tokens, usage) is what holding `cached` of
+    """The prefix terms of cost(): prefix_bonus(request, cached, capacity_tokens, usage, step_tokens) is what holding `cached` of
     the request's prompt tokens is worth on a worker (its KV-unit bonus, and the prefill it saves in backlog units;
     `usage`: the worker's projected KV usage)."""
     prefix_weight, saturation, by_share = knobs.prefix_weight, knobs.prefix_saturation_tokens, knobs.prefix_by_share
+    per_step = knobs.prefix_bonus_per_step
     credit_base, per_usage, per_share = knobs.cached_prefill_credit, knobs.credit_per_usage, knobs.credit_per_cache_share
     backlog_weight = knobs.backlog_weight
 
-    def prefix_bonus(request: RoutedRequest, cached: int, capacity_tokens: int, usage: float = 0.0) -> float:
+    def prefix_bonus(request: RoutedRequest, cached: int, capacity_tokens: int, usage: float = 0.0,
+                     step_tokens: int = STEP_TOKENS_ASSUMED) -> float:
         if not cached:
             return 0.0
-        bonus = prefix_weight * min(1.0, cached / saturation)
+        held = cached / saturation if cached < saturation else 1.0
+        if per_step and cached * per_step > step_tokens:  # its copy's prefill takes more than one whole step
+            held = per_step * cached / step_tokens
+        bonus = prefix_weight * held
         if by_share and request.prompt_tokens > cached:
             bonus *= cached / request.prompt_tokens
         credit = credit_base + per_usage * usage + per_share * cached / capacity_tokens
@@ -107,7 +114,7 @@ def worker_cost_of(knobs: KvAwareConfig) -> WorkerCost:
         capacity = load.capacity_tokens
         cost = (usage + queue_weight * load.queue_depth(now) + inflight_weight * load.in_flight
                 + backlog_weight * load.prefill_backlog / capacity
-                - prefix_bonus(request, cached, capacity, usage))
+                - prefix_bonus(request, cached, capacity, usage, load.step_tokens or STEP_TOKENS_ASSUMED))
         if hot > cached:
             prompt = request.prompt_tokens
             new = (prompt - cached if prompt > cached else 0) + request.expected_output_tokens

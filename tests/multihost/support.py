@@ -102,6 +102,7 @@ class DecisionWatch:
         self.proxy, self.interval = proxy, interval
         self.last_change: dict[str, float] = {}
         self.counts: Counter[str] = Counter()
+        self.read_since = 0.0  # when the last completed read of the proxy's counters began
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -115,16 +116,24 @@ class DecisionWatch:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            began = time.monotonic()
             try:
                 now_counts = decisions_by_worker(self.proxy)
+                read = True
             except httpx.HTTPError:
-                now_counts = self.counts
+                now_counts, read = self.counts, False
             t = time.monotonic()
             for wid, n in now_counts.items():
                 if n != self.counts.get(wid):
                     self.last_change[wid] = t
             self.counts = now_counts
+            if read:
+                self.read_since = began
             time.sleep(self.interval)
+
+    def wait_read_after(self, moment: float, timeout: float = 10.0) -> None:
+        """Until a read of the counters that began after `moment` is in: every decision made before it shows."""
+        wait_until(lambda: self.read_since > moment, timeout, 0.02, "a read of the proxy's decision counters")
 
     def first_change_after(self, worker_id: str, since: float, timeout: float) -> float:
         base = self.counts.get(worker_id, 0)

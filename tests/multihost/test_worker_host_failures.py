@@ -48,8 +48,8 @@ def test_a_partitioned_worker_host_is_dropped_within_the_stale_window_and_taken_
         b.link_down()
         wait_until(lambda: not _routable(a, "b-0"), NOT_ROUTED_WITHIN_S + 5, 0.05, "b-0 to leave the routing set")
         left_at = time.monotonic()
-        # Let in-flight decisions show in /metrics, then take the last one routed to b-0.
-        time.sleep(1.0)
+        # Every decision made before b-0 left shows in a read of /metrics begun after; take the last one to b-0.
+        watch.wait_read_after(left_at)
         last_routed = watch.last_change.get("b-0", down_at)
         routed_after_cut = max(0.0, last_routed - down_at)
         load.wait_served(10)  # c-0 alone serves meanwhile

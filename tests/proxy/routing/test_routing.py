@@ -272,3 +272,24 @@ def test_a_model_can_have_its_own_policy():
     bad = FleetConfig.model_validate({"models": [{"name": "x", "engine": "sim", "policy": "fastest"}]})
     with pytest.raises(ValueError, match="fastest"):
         PolicySet(bad, "kv_aware", deps())
+
+
+def test_kv_aware_with_a_bonus_per_step_keeps_a_prefix_longer_than_an_engine_step_home_under_a_longer_queue():
+    from proxy.routing_config import KvAwareConfig, PolicyKnobs
+
+    system = "Shared instructions. " * 2800  # ~7.4k tokens, nearly all of each prompt below
+
+    def pick(per_step: float, step_tokens: int | None) -> str:
+        knobs = PolicyKnobs(kv_aware=KvAwareConfig(prefix_bonus_per_step=per_step))
+        policy = make_policy("kv_aware", deps(), knobs)
+        a, b = worker("a", capacity=400_000), worker("b", capacity=400_000)
+        for w in (a, b):
+            w.load.step_tokens = step_tokens  # what the engine's worker reports (None: 8192 assumed)
+        holder = dispatch(policy, [a, b], request("q0", system=system)).worker
+        for _ in range(2):  # 50k prompt tokens waiting to prefill there
+            holder.load.start_request(25_000, NOW, prefill_tokens=25_000)
+        return "holder" if policy.select([a, b], request("q1", system=system), NOW).worker is holder else "other"
+
+    assert pick(0.0, 2048) == "other"  # capped at prefix_weight: the queue outweighs it, and the prefix is copied
+    assert pick(1.0, 2048) == "holder"  # a copy takes 3.6 steps of 2048 tokens: worth 3.6 units, it stays home
+    assert pick(1.0, None) == pick(1.0, 32768) == "other"  # within one step of these engines: capped as before
