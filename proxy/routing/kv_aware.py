@@ -5,12 +5,12 @@ prefixes from prefix_index.py, candidates from candidates.py's rosters, the weig
 (`proxy.routing.kv_aware`, routing_config.KvAwareConfig; a model's own under `models[].routing`).
 
     cost(w) = projected_kv_usage(w) + queue_weight * queue_depth(w) + inflight_weight * in_flight(w)
-            - prefix_weight * max(min(1, cached_tokens(w) / prefix_saturation_tokens),
-                                  prefix_bonus_per_step * cached_tokens(w) / step_tokens(w)) * cached_tokens(w) / prompt_tokens
+            - prefix_weight * held(w) * cached_tokens(w) / prompt_tokens
             + backlog_weight * (prefill_backlog(w) - credit(w) * cached_tokens(w)) / capacity(w)
             + evict_weight * backlog_weight * credit(evicted(w)) * evicted(w) / capacity(w)
+    held(w)   = max(min(1, cached_tokens(w) / prefix_saturation_tokens),
+                    prefix_bonus_per_step * cached_tokens(w) / step_tokens(w))     # step_tokens: the engine's budget
     credit(t) = cached_prefill_credit + credit_per_cache_share * t / capacity(w)
-    step_tokens(w) = the engine's token budget per scheduler step (max_num_batched_tokens, as its worker reports)
     evicted(w) = the hot prefix tokens (routed there more than once, not this request's) that the request's
                  new KV pushes out of the engine's free blocks: min(hot, free) + new - free, within [0, min(hot, free)]
 
@@ -62,9 +62,9 @@ def load_cost_of(knobs: KvAwareConfig) -> LoadCost:
 
 
 def prefix_bonus_of(knobs: KvAwareConfig) -> PrefixBonus:
-    """The prefix terms of cost(): prefix_bonus(request, cached, capacity_tokens, usage, step_tokens) is what holding `cached` of
-    the request's prompt tokens is worth on a worker (its KV-unit bonus, and the prefill it saves in backlog units;
-    `usage`: the worker's projected KV usage)."""
+    """The prefix terms of cost(): prefix_bonus(request, cached, capacity_tokens, usage, step_tokens) is what holding
+    `cached` of the request's prompt tokens is worth on a worker (its KV-unit bonus, and the prefill it saves in
+    backlog units; `usage`: the worker's projected KV usage; `step_tokens`: its engine's token budget per step)."""
     prefix_weight, saturation, by_share = knobs.prefix_weight, knobs.prefix_saturation_tokens, knobs.prefix_by_share
     per_step = knobs.prefix_bonus_per_step
     credit_base, per_usage, per_share = knobs.cached_prefill_credit, knobs.credit_per_usage, knobs.credit_per_cache_share
