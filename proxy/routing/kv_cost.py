@@ -107,12 +107,13 @@ def _terms(load: LoadSnapshot, model: WorkerModel, prompt: int, media: int, outp
         if not pending_prefill_s > 0.0:
             pending_prefill_s = 0.0
     prefill_ahead = pending_prefill_s + s_tok * waiting * prefill_bar
-    deficit = committed + need - capacity
-    # only an engine that says it cannot admit (requests waiting) makes a new one wait for KV: one
-    # that admits frees and allocates block by block faster than the proxy's estimates can follow
-    if backlog or (deficit > 0 and waiting):
+    # What the new request waits for KV on: while the engine queues, everything committed there; otherwise only
+    # what the engine itself reports held, for the prompt alone (its first token needs all of its KV). One that
+    # admits frees and allocates block by block faster than the proxy's estimates of the others can follow.
+    short = committed + need - capacity if waiting or backlog else used + uncached - capacity
+    if backlog or short > 0:
         turnover = model.request_turnover_s(output)
-        kv_wait = deficit * turnover / (kv_bar if kv_bar > used else used) if deficit > 0 else 0.0
+        kv_wait = short * turnover / (kv_bar if kv_bar > used else used) if short > 0 else 0.0
         if backlog:
             running = load.running
             seq_wait = backlog * turnover / (running if running > 1 else 1)

@@ -40,8 +40,9 @@ def test_a_hot_prefix_keeps_its_worker_under_pressure_while_cold_prompts_go_else
     fleet.start_proxy("--policy", "kv_cost", "--log-level", "debug")  # each decision's predicted times land in the proxy's log
     fleet.start_sims(2, time_scale=1, kv_capacity_tokens=4096)
     owners = set()
-    for i in range(3):  # sequential: the prefix becomes hot on one worker
-        resp = fleet.http.post(fleet.url + "/v1/chat/completions", json=hot_body(i, 4))
+    for i in range(3):  # sequential: the prefix becomes hot on one worker, and the proxy learns how long requests
+        # run there (how soon KV frees: a cold prompt that does not fit beside the streams below waits that long)
+        resp = fleet.http.post(fleet.url + "/v1/chat/completions", json=hot_body(i, 64))
         assert resp.status_code == 200
         owners.add(resp.headers["x-kvroute-worker"])
     assert len(owners) == 1, owners

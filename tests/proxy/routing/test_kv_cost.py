@@ -96,6 +96,21 @@ def test_a_cold_request_goes_elsewhere_than_a_worker_whose_free_cache_holds_hot_
     assert send(pol, [a, b], hot).worker is a
 
 
+def test_a_prompt_that_does_not_fit_beside_what_the_engine_holds_waits_for_kv_without_a_queue():
+    model = WorkerModel()
+    model.observe_turnover(2.0)  # requests there run 2 s after their first token
+    doc = request("summarise: " + "lorem ipsum dolor sit amet " * 400)
+    assert 2000 < doc.prompt_tokens < 3500
+    roomy = worker("roomy", usage=0.5, running=3, capacity=8000)  # 4000 free: it fits, no wait
+    assert predict(roomy, model, doc, 0, 0, NOW).queue_s == 0.0
+    # 7000 of 8000 held by 3 running requests and nobody waiting: the engine admits it, but its first
+    # token needs 1000-2500 more tokens of KV than are free, which come only as the running requests finish
+    full = worker("full", usage=7000 / 8000, running=3, capacity=8000)
+    waits = predict(full, model, doc, 0, 0, NOW)
+    assert waits.queue_s > 0.25, waits.queue_s  # at least 1000 of 7000 tokens turning over every 2 s
+    assert waits.queue_s > predict(roomy, model, doc, 0, 0, NOW).prefill_s
+
+
 def png(color: tuple[int, int, int], size: int = 1024) -> str:
     buf = io.BytesIO()
     Image.new("RGB", (size, size), color).save(buf, format="PNG")
