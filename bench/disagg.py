@@ -3,8 +3,9 @@
 Owns the matrix (family x route x repeat) and each cell's measurement. A route is a fleet shape and a router over
 it: `aggregated` (8 x both, kvroute's default policy), `kvroute-split:2p6d` (2 prefill + 6 decode workers, kvroute
 splitting every request: fixed P/D), `kvroute:2p6d` (the same fleet, kvroute's conditional disaggregation: a request
-is split only when that is predicted sooner; `kvroute-whole:2p6d` with `disagg.whole_on_prefill`), `vllm-router:2p6d` (vllm-router 0.1.17's PD mode over the same
-workers, NIXL protocol). Times are simulated seconds (wall x time scale). Figures per load: TTFT and inter-token
+is split only when that is predicted sooner; `kvroute-whole:2p6d` with `disagg.whole_on_prefill`), `kvroute:8flex`
+(8 both workers whose connectors send and receive: no fixed pools, a request split over two of them only when
+predicted sooner), `vllm-router:2p6d` (vllm-router 0.1.17's PD mode over the same workers, NIXL protocol). Times are simulated seconds (wall x time scale). Figures per load: TTFT and inter-token
 latency (each gap between two tokens of a stream) p50/p99, the per-request mean inter-token latency (TPOT) p99, SLO
 attainment (the share of requests meeting TTFT <= --ttft-slo and TPOT <= --itl-slo), throughput, KV moved between
 workers, the share of requests split, and the sims' engine lag (how far they fell behind the wall clock: ~0 means
@@ -57,7 +58,9 @@ from bench.workloads import Workload
 PRESET = "h100-qwen3-vl-8b"
 WORKERS = 8
 REPEATS = 3
-SHAPES = {"8both": (0, 0), "2p6d": (2, 6), "3p5d": (3, 5), "4p4d": (4, 4)}
+# (prefill, decode) workers; "8flex": 8 both workers whose connectors send and receive (kv_both), kvroute splitting
+# a request over two of them when that is predicted sooner (proxy/routing/flexible.py)
+SHAPES = {"8both": (0, 0), "8flex": (0, 0), "2p6d": (2, 6), "3p5d": (3, 5), "4p4d": (4, 4)}
 ROUTES = ("aggregated", "kvroute-split:2p6d", "kvroute-split:3p5d", "kvroute-split:4p4d", "kvroute:2p6d",
           "kvroute:3p5d", "vllm-router:2p6d", "vllm-router:3p5d")
 # offered load per family, requests per simulated second: the aggregated fleet near its ITL limit (bench/README.md)
@@ -76,6 +79,8 @@ def shape_of(route: str) -> tuple[str, str, str]:
         return "kvroute", shape, "default@disagg.split=always"
     if router == "kvroute-whole":
         return "kvroute", shape, "default@disagg.whole_on_prefill=true"
+    if shape == "8flex" and router != "kvroute":
+        raise ValueError(f"route {route!r}: shape 8flex is kvroute's alone (kvroute:8flex)")
     if router in ("kvroute", "vllm-router"):
         return router, shape, "default"
     raise ValueError(f"unknown route {route!r}: aggregated, kvroute:SHAPE, kvroute-split:SHAPE, kvroute-whole:SHAPE "
@@ -84,12 +89,15 @@ def shape_of(route: str) -> tuple[str, str, str]:
 
 def fleet_specs(shape: str, time_scale: float, preset: str) -> list[SimWorkerSpec]:
     prefill, decode = SHAPES[shape]
-    if not prefill:
-        return [SimWorkerSpec(model="qwen3-vl-8b", preset=preset, time_scale=time_scale) for _ in range(WORKERS)]
 
     def kv(role: str, kv_role: str) -> list[str]:
-        return ["--role", role, "--kv-transfer", json.dumps({"connector": "NixlConnector", "kv_role": kv_role,
-                                                             "link": LINK})]
+        return ([] if role == "both" else ["--role", role]) + [
+            "--kv-transfer", json.dumps({"connector": "NixlConnector", "kv_role": kv_role, "link": LINK})]
+
+    if shape == "8flex":
+        return [SimWorkerSpec("qwen3-vl-8b", preset, time_scale, kv("both", "kv_both")) for _ in range(WORKERS)]
+    if not prefill:
+        return [SimWorkerSpec(model="qwen3-vl-8b", preset=preset, time_scale=time_scale) for _ in range(WORKERS)]
 
     return ([SimWorkerSpec("qwen3-vl-8b", preset, time_scale, kv("prefill", "kv_producer")) for _ in range(prefill)]
             + [SimWorkerSpec("qwen3-vl-8b", preset, time_scale, kv("decode", "kv_consumer")) for _ in range(decode)])
@@ -228,7 +236,8 @@ def measure(run: RunResult, before: list[dict], after: list[dict], prefill_worke
         "output_tok_per_s": sum(r.completion_tokens for r in ok) / wall if wall else 0.0,
         "kv_moved_gb": sum(delta("bytes_received", "kv_transfer")) / 1e9,
         "transfers": int(sum(delta("transfers_received", "kv_transfer"))),
-        "split_share": split / len(ok) if ok and prefill_workers else 0.0,
+        "split_share": (split if prefill_workers else sum(delta("transfers_received", "kv_transfer"))) / len(ok)
+        if ok else 0.0,
         "prefix_hit": _hit(delta("prefix_cache_hits"), delta("prefix_cache_queries")),
         "engine_lag_s": max(delta("lag_sim_s"), default=0.0), "wall_s": wall,
         "held_at_end": int(sum(float(a.get("blocks_held_for_transfer", 0)) for a in after)),
@@ -250,7 +259,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routes", default=",".join(ROUTES),
                    help="comma-separated: aggregated, kvroute:SHAPE (conditional), kvroute-split:SHAPE (always "
                         "split), kvroute-whole:SHAPE (conditional, prefill workers also run whole requests: "
-                        "disagg.whole_on_prefill), vllm-router:SHAPE (its PD mode); SHAPE 2p6d, 3p5d or 4p4d")
+                        "disagg.whole_on_prefill), vllm-router:SHAPE (its PD mode); SHAPE 2p6d, 3p5d or 4p4d, or 8flex (kvroute only)")
     p.add_argument("--repeats", type=int, default=REPEATS)
     p.add_argument("--requests", type=int, default=None,
                    help=f"requests per cell (default {FIXED_REQUESTS}), or per step of --sweep (default {SWEEP_REQUESTS}: a "

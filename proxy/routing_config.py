@@ -71,6 +71,11 @@ class DisaggConfig(Knobs):
     pressure_window_s: float = Field(10.0, gt=0, description=(
         "with whole_on_prefill: time constant of each worker's prefill pressure (the stall its recent prefills "
         "caused per second), about a request's decode time"))
+    stall_cost: Literal["slowdown", "request_seconds"] = Field("slowdown", description=(
+        "how a prefill's stall of the requests decoding on its worker weighs against the request's own wait: "
+        "slowdown (each stalled stream's delay over its decode time, against the wait over the request's prefill "
+        "time) or request_seconds (every stalled second as one second of the request's own: splits more, lower "
+        "inter-token tails, seconds of prefill-pool queue under load)"))
 
 
 class PrefixConfig(Knobs):

@@ -76,6 +76,7 @@ class WorkerView:
     kv_release_tokens_per_s: float = math.inf  # KV its running requests give back per second
     encoder_cache: frozenset[str] = frozenset()  # encode workers: media hashes whose output it holds
     pressure: float = 0.0  # seconds its recent prefills stalled each decoding request, per second (decode(W))
+    turnover_s: float = math.inf  # how long a request decodes there after its first token (slowdown weights)
 
     def decode_s(self, output_tokens: int) -> float:
         """A request's predicted decode here: its steps, stretched by this worker's later prefills."""
@@ -138,6 +139,7 @@ class _Prefill:
     stall_s: float
     encode: str | None
     uncached: int
+    stall_cost_s: float  # what the stall counts in the plan's cost: stall_s, or weighted (plan's `slowdown`)
 
 
 def _rendezvous(key: str, worker_id: str) -> int:
@@ -162,7 +164,8 @@ def choose_encoder(request: RequestView, encoders: list[WorkerView], link: LinkV
     return _Encode(chosen, next(s for s, wid in scored if wid == chosen))
 
 
-def _prefill_on(w: WorkerView, request: RequestView, encode: _Encode, always: bool = False) -> _Prefill:
+def _prefill_on(w: WorkerView, request: RequestView, encode: _Encode, always: bool = False,
+                slowdown: bool = False) -> _Prefill:
     # (conditional expressions rather than min/max calls: this runs once per candidate per request)
     prompt, cached = request.prompt_tokens, w.cached_tokens
     if prompt > 1:
@@ -183,7 +186,10 @@ def _prefill_on(w: WorkerView, request: RequestView, encode: _Encode, always: bo
     ttft = remote if use_encoder else local
     work = w.s_per_token * uncached + (0.0 if use_encoder else vision)  # the step's own time (bias) runs anyway
     stall = (work - w.decode_step_s) * w.decoding if work > w.decode_step_s else 0.0
-    return _Prefill(w, ttft, stall, encode.worker if use_encoder else None, uncached)
+    # slowdown: each stalled stream is slowed by stall / decoding over its turnover, this request by its wait over
+    # its own prefill time (ttft - queue); in this request's seconds the stall weighs its prefill time / turnover
+    cost = stall * min((ttft - queue) / w.turnover_s, 1.0) if slowdown else stall
+    return _Prefill(w, ttft, stall, encode.worker if use_encoder else None, uncached, cost)
 
 
 def _admit_s(d: WorkerView, need: float) -> float:
@@ -194,12 +200,15 @@ def _admit_s(d: WorkerView, need: float) -> float:
 
 
 def plan(request: RequestView, workers: list[WorkerView], link: LinkView, explain: bool = False,
-         split: str = "conditional", whole_on_prefill: bool = False) -> Plan:
+         split: str = "conditional", whole_on_prefill: bool = False, slowdown: bool = False) -> Plan:
     """The plan with the lowest predicted cost (module docstring); ValueError when no worker can generate.
     `explain`: fill `alternatives` (what the debug decision log shows), at the cost of building their plans.
     `split` "always": the best split whenever a prefill worker is among the candidates, and images encoded on an
     encode worker whenever there is one (fixed E/P/D serving). `whole_on_prefill` (conditional only): prefill workers
-    may run a request whole, and every plan counts the request's own decode (decode(W))."""
+    may run a request whole, and every plan counts the request's own decode (decode(W)). `slowdown`: the stall counts
+    as the slowdown it causes (each stalled stream's delay over its turnover, against this request's wait over its
+    own prefill time) rather than in request-seconds: one long prefill's brief stall of many streams no longer
+    outweighs seconds of queueing for the prompt itself."""
     encode = choose_encoder(request, [w for w in workers if w.role == "encode"], link)
     always = split == "always"
     whole_on_prefill = whole_on_prefill and not always
@@ -213,11 +222,12 @@ def plan(request: RequestView, workers: list[WorkerView], link: LinkView, explai
     for i, w in enumerate(workers):
         if w.role == "encode":
             continue
-        p = _prefill_on(w, request, encode, always)
+        p = _prefill_on(w, request, encode, always, slowdown)
         if w.role in whole_roles:
             decode = w.decode_s(output) if output else 0.0
-            aggregated.append((p.ttft_s + p.stall_s + decode, 0, w.role in PREFILL_ROLES, i, p, decode))
-        if w.role in PREFILL_ROLES and (best_p is None or p.ttft_s + p.stall_s < best_p.ttft_s + best_p.stall_s):
+            aggregated.append((p.ttft_s + p.stall_cost_s + decode, 0, w.role in PREFILL_ROLES, i, p, decode))
+        if w.role in PREFILL_ROLES and (best_p is None
+                                        or p.ttft_s + p.stall_cost_s < best_p.ttft_s + best_p.stall_cost_s):
             best_p = p
     splits: list[tuple] = []
     if best_p is not None:
@@ -231,7 +241,7 @@ def plan(request: RequestView, workers: list[WorkerView], link: LinkView, explai
             admit = _admit_s(d, need - d.cached_tokens)
             ttft = best_p.ttft_s + transfer + admit + d.decode_step_s
             decode = d.decode_s(output) if output else 0.0
-            splits.append((ttft + best_p.stall_s + decode, 1, i, d, transfer, admit, moved, ttft, decode))
+            splits.append((ttft + best_p.stall_cost_s + decode, 1, i, d, transfer, admit, moved, ttft, decode))
     if not aggregated and not splits:
         raise ValueError("no worker can generate: the candidates need a both or decode worker")
     best_agg = min(aggregated, default=None)
@@ -303,7 +313,7 @@ def view_of(worker_id: str, role: str, load: LoadSnapshot, model: WorkerModel, q
                       s_per_media_token=s_vis, decode_step_s=model.decode_step_s,
                       decoding=_decoding(role, load), kv_free_tokens=max(load.capacity - committed, 0.0),
                       kv_release_tokens_per_s=committed / turnover if turnover > 0 else math.inf,
-                      encoder_cache=encoder_cache, pressure=pressure)
+                      encoder_cache=encoder_cache, pressure=pressure, turnover_s=turnover if turnover > 0 else math.inf)
 
 
 def _decoding(role: str, load: LoadSnapshot) -> int:

@@ -20,6 +20,7 @@ from proxy.routing.admission import AdmissionController
 from proxy.routing.base import Decision, Policy
 from proxy.routing.cache_feedback import AnswerUsage, CacheFeedback, Expectation
 from proxy.routing.live import LiveConfig
+from proxy.routing.flexible import FlexibleFleet
 from proxy.routing.split import SplitFleet
 from proxy.routing.tokenizer_store import TokenizerStore
 from proxy.workers.loadview import Dispatch
@@ -49,6 +50,7 @@ class RoutingService:
         self.feedback = CacheFeedback(registry, lambda: live.policies.deps.cached_prefix, self.tokenizers,
                                       self._served_name)
         self.split = SplitFleet(live, registry)  # models with prefill, decode or encode pools
+        self.flexible = FlexibleFleet(self.split)  # models whose both workers may prefill for one another
         live.follow(self._follow)
 
     def _follow(self, live: LiveConfig) -> None:
@@ -73,6 +75,8 @@ class RoutingService:
         split = self.split
         if split.models and served in split.models:
             return split.policy_for(served)  # type: ignore[return-value]  # not None: a disaggregated model
+        if split.flexible and served in split.flexible:
+            return self.flexible.policy_for(served, self.live.policies.for_model(served))
         return self.live.policies.for_model(served)
 
     def pick(self, policy: Policy, routed: RoutedRequest, served: str, tried: set[str],

@@ -31,6 +31,12 @@ from proxy.workers.registry import Registry, Worker, WorkerState
 log = logging.getLogger("kvroute.routing.split")
 
 SPLIT_ROLES = frozenset({"prefill", "decode", "encode"})
+
+
+def flexible_worker(worker: Worker) -> bool:
+    """A both worker whose KV connector both sends and receives: it may prefill for another or decode for one."""
+    labels = worker.labels
+    return worker.role == "both" and bool(labels.get("kv_connector")) and labels.get("kv_role") == "kv_both"
 # What crosses the link per token when the workers do not say (their `kv_bytes_per_token` and
 # `encoder_bytes_per_token` labels; the sim gives them): Qwen3-VL-8B in bf16, 2 x 36 layers x 8 KV heads x 128,
 # and its vision output, hidden 4096 x 2 bytes x 4 feature levels.
@@ -123,6 +129,7 @@ class SplitFleet:
         self.memory = EncoderMemory()
         self.pressure = PrefillPressure(DisaggConfig().pressure_window_s)  # kept with whole_on_prefill; window: config
         self.models: frozenset[str] = frozenset()  # served names with a worker of role prefill, decode or encode
+        self.flexible: frozenset[str] = frozenset()  # other served names with 2+ flexible_worker()s (flexible.py)
         self._encoders: dict[str, list[Worker]] = {}
         self._labels: dict[str, dict[str, str]] = {}  # per model: a generating worker's labels (its connector)
         self._policies: dict[str, SplitPolicy] = {}
@@ -141,26 +148,31 @@ class SplitFleet:
         models: set[str] = set()
         encoders: dict[str, list[Worker]] = {}
         labels: dict[str, dict[str, str]] = {}
+        flexible: dict[str, int] = {}
         for worker in self.registry.workers():
             if worker.role in SPLIT_ROLES:
                 models.update(worker.models)
+            elif flexible_worker(worker):
+                for model in worker.models:
+                    flexible[model] = flexible.get(model, 0) + 1
             for model in worker.models:
                 if worker.role == "encode":
                     encoders.setdefault(model, []).append(worker)
                 elif worker.labels:
                     labels.setdefault(model, worker.labels)
         self.models, self._encoders, self._labels = frozenset(models), encoders, labels
+        self.flexible = frozenset(m for m, n in flexible.items() if n > 1 and m not in models)
         for gone in set(self._policies) - models:
             del self._policies[gone]
 
-    def _knobs(self, model: str) -> PolicyKnobs:
+    def knobs_for(self, model: str) -> PolicyKnobs:
         config = self.live.config
         configured = config.model(model)
         return config.proxy.routing.for_model(configured.routing if configured is not None else None)
 
     def _follow(self, live: LiveConfig) -> None:
         for model, policy in self._policies.items():
-            knobs = self._knobs(model)
+            knobs = self.knobs_for(model)
             if policy.knobs != knobs:
                 policy.configure(knobs)
 
@@ -171,7 +183,7 @@ class SplitFleet:
         policy = self._policies.get(served)
         deps = self.live.policies.deps
         if policy is None or policy.deps is not deps:
-            policy = self._policies[served] = SplitPolicy(deps, self._knobs(served), self, served)
+            policy = self._policies[served] = SplitPolicy(deps, self.knobs_for(served), self, served)
         return policy
 
     def encoders(self, model: str, now: float) -> list[Worker]:
@@ -248,7 +260,7 @@ class SplitPolicy(Policy):
         try:
             explain = log.isEnabledFor(logging.DEBUG)
             chosen = plan(wanted, views, self.fleet.link(self.model), explain=explain, split=self.config.split,
-                          whole_on_prefill=whole_on_prefill)
+                          whole_on_prefill=whole_on_prefill, slowdown=self.config.stall_cost == "slowdown")
         except ValueError:  # only prefill workers are left: each is a whole engine and answers a whole request
             worker = self.least_in_flight(pool)
             return Decision(worker, "prefill_worker_whole", request.expected_kv_tokens,

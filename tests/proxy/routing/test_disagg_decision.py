@@ -166,3 +166,18 @@ def test_times_are_kv_costs_own_for_the_same_worker():
     work = expected.prefill_s - model.bias_s
     assert chosen.terms["stall_s"] == pytest.approx((work - model.decode_step_s) * 3)  # three running there
     assert view.kv_free_tokens == pytest.approx(100_000 * 0.8)
+
+
+def test_by_slowdown_a_queued_prefill_pool_loses_to_a_brief_stall_of_long_streams_which_request_seconds_splits():
+    # an 8000-token document (0.8 s of prefill at the priors) against a prefill pool with 3 s of queue; 32 streams
+    # decode on each decoder for another 10 s. Prefilled there it delays each of them 0.78 s: 25 request-seconds,
+    # but 8% of their decode time each, against 3 s more (4.75x its prefill time) for the document itself.
+    views = fleet(prefill_queue_s=3.0, decoding=32, turnover_s=10.0)
+    by_slowdown = plan(RequestView(prompt_tokens=8000), views, RDMA, slowdown=True)
+    assert by_slowdown.kind == "aggregated" and by_slowdown.worker.startswith("d")
+    assert by_slowdown.ttft_s < 1.0
+    by_seconds = plan(RequestView(prompt_tokens=8000), views, RDMA)
+    assert by_seconds.kind == "disaggregated" and by_seconds.ttft_s > 3.0
+    # an idle prefill pool: a split costs the document only the transfer, so it splits either way
+    idle = fleet(prefill_queue_s=0.0, decoding=32, turnover_s=10.0)
+    assert plan(RequestView(prompt_tokens=8000), idle, RDMA, slowdown=True).kind == "disaggregated"
