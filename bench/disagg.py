@@ -79,12 +79,14 @@ def shape_of(route: str) -> tuple[str, str, str]:
         return "kvroute", shape, "default@disagg.split=always"
     if router == "kvroute-whole":
         return "kvroute", shape, "default@disagg.whole_on_prefill=true"
+    if router == "kvroute-seconds":  # the stall counted in request-seconds (the rule before 2026-12-05)
+        return "kvroute", shape, "default@disagg.stall_cost=request_seconds"
     if shape == "8flex" and router != "kvroute":
         raise ValueError(f"route {route!r}: shape 8flex is kvroute's alone (kvroute:8flex)")
     if router in ("kvroute", "vllm-router"):
         return router, shape, "default"
-    raise ValueError(f"unknown route {route!r}: aggregated, kvroute:SHAPE, kvroute-split:SHAPE, kvroute-whole:SHAPE "
-                     "or vllm-router:SHAPE")
+    raise ValueError(f"unknown route {route!r}: aggregated, kvroute:SHAPE, kvroute-split:SHAPE, kvroute-whole:SHAPE, "
+                     "kvroute-seconds:SHAPE or vllm-router:SHAPE")
 
 
 def fleet_specs(shape: str, time_scale: float, preset: str) -> list[SimWorkerSpec]:
@@ -259,7 +261,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routes", default=",".join(ROUTES),
                    help="comma-separated: aggregated, kvroute:SHAPE (conditional), kvroute-split:SHAPE (always "
                         "split), kvroute-whole:SHAPE (conditional, prefill workers also run whole requests: "
-                        "disagg.whole_on_prefill), vllm-router:SHAPE (its PD mode); SHAPE 2p6d, 3p5d or 4p4d, or 8flex (kvroute only)")
+                        "disagg.whole_on_prefill), kvroute-seconds:SHAPE (conditional, disagg.stall_cost="
+                        "request_seconds), vllm-router:SHAPE (its PD mode); SHAPE 2p6d, 3p5d or 4p4d, or 8flex "
+                        "(kvroute only)")
     p.add_argument("--repeats", type=int, default=REPEATS)
     p.add_argument("--requests", type=int, default=None,
                    help=f"requests per cell (default {FIXED_REQUESTS}), or per step of --sweep (default {SWEEP_REQUESTS}: a "

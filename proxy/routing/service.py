@@ -19,8 +19,8 @@ from proxy.request import RoutedRequest
 from proxy.routing.admission import AdmissionController
 from proxy.routing.base import Decision, Policy
 from proxy.routing.cache_feedback import AnswerUsage, CacheFeedback, Expectation
-from proxy.routing.live import LiveConfig
 from proxy.routing.flexible import FlexibleFleet
+from proxy.routing.live import LiveConfig
 from proxy.routing.split import SplitFleet
 from proxy.routing.tokenizer_store import TokenizerStore
 from proxy.workers.loadview import Dispatch

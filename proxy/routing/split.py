@@ -1,6 +1,7 @@
 """Disaggregated models: which models have prefill, decode or encode workers, and the policy that decides each of
 their requests with proxy/routing/disagg.py: whole on one worker, or prefill on one and decode on another, images
-encoded on an encode worker first.
+encoded on an encode worker first; and which models have a flexible pool (both workers with two-way connectors:
+proxy/routing/flexible.py decides theirs).
 
 Owns the decision's inputs (each candidate's queue as kv_cost predicts it, its cached prefix from the prefix index,
 the estimator's learnt rates, the images each encoder was recently given, the link between the pools), the
@@ -32,11 +33,6 @@ log = logging.getLogger("kvroute.routing.split")
 
 SPLIT_ROLES = frozenset({"prefill", "decode", "encode"})
 
-
-def flexible_worker(worker: Worker) -> bool:
-    """A both worker whose KV connector both sends and receives: it may prefill for another or decode for one."""
-    labels = worker.labels
-    return worker.role == "both" and bool(labels.get("kv_connector")) and labels.get("kv_role") == "kv_both"
 # What crosses the link per token when the workers do not say (their `kv_bytes_per_token` and
 # `encoder_bytes_per_token` labels; the sim gives them): Qwen3-VL-8B in bf16, 2 x 36 layers x 8 KV heads x 128,
 # and its vision output, hidden 4096 x 2 bytes x 4 feature levels.
@@ -71,6 +67,12 @@ def media_hashes(payload: dict[str, Any], kind: str) -> tuple[str, ...]:
                 hasher.update(text.encode())
             out.append(hasher.hexdigest())
     return tuple(out)
+
+
+def flexible_worker(worker: Worker) -> bool:
+    """A both worker whose KV connector both sends and receives: it may prefill for another or decode for one."""
+    labels = worker.labels
+    return worker.role == "both" and bool(labels.get("kv_connector")) and labels.get("kv_role") == "kv_both"
 
 
 class EncoderMemory:
