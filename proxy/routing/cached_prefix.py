@@ -41,7 +41,6 @@ class CachedPrefix:
         """For each worker (among `worker_ids`; None: any) with some of the prompt cached, how many tokens."""
         cached: dict[str, int] = {}
         exact_ids: set[str] = set()
-        block_of: dict[str, int] = {}  # an exact view's block size: its engine caches whole blocks only
         schemes = self.exact.exact_by_scheme()
         # token ids are counted on first use (proxy/tokens): only where some engine's exact view can use them
         if schemes and request.token_ids is not None and request.media_spans is not None:
@@ -51,7 +50,6 @@ class CachedPrefix:
                     continue
                 exact_ids.update(wanted)
                 size = scheme.block_size
-                block_of.update(dict.fromkeys(wanted, size))
                 for wid, depth in self.exact.match(self.block_hashes(request, scheme), wanted).items():
                     cached[wid] = depth * size
             self._exact_memo = (request, exact_ids, dict(cached))
@@ -60,13 +58,9 @@ class CachedPrefix:
             return cached
         prefix_tokens = request.prefix_tokens
         if exact_ids:
-            last = request.prompt_tokens - 1  # the engine computes a prompt's last token whatever it holds
             for wid, depth in self.recent.match(prefix_hashes, exact_ids, now).items():
-                size = block_of[wid]
-                guess = prefix_tokens[depth - 1]
-                guess = (guess if guess < last else last) // size * size  # what its engine reuses: whole blocks
-                if guess > cached.get(wid, 0):
-                    cached[wid] = guess
+                if prefix_tokens[depth - 1] > cached.get(wid, 0):
+                    cached[wid] = prefix_tokens[depth - 1]
             others = None if worker_ids is None else {w for w in worker_ids if w not in exact_ids}
         else:
             others = worker_ids

@@ -84,9 +84,7 @@ def test_a_prompt_just_sent_counts_as_cached_until_the_engines_events_can_say_so
     engine_holds(registry, "exact", [])
     request = chat("q", TOKENS)
     deps.cached_prefix.insert(request, "exact", NOW)
-    # as the engine will reuse it: whole blocks (its answer's cached_tokens says so, which the prediction meets)
-    sent = request.prefix_tokens[-1]
-    assert sent % 16 and deps.cached_prefix.match(request, None, NOW)["exact"] == sent // 16 * 16
+    assert deps.cached_prefix.match(request, None, NOW)["exact"] == request.prefix_tokens[-1]
     later = NOW + deps.cached_prefix.recent.ttl_s + 1
     assert deps.cached_prefix.match(request, None, later) == {}  # the engine never stored it
 
