@@ -58,6 +58,8 @@ class CachedPrefix:
             return cached
         prefix_tokens = request.prefix_tokens
         if exact_ids:
+            # the estimate as is, not rounded to the engine's whole blocks: that lowered the engines' hit rate twice
+            # (docs/design/kv_aware.md, "Small caches under pressure")
             for wid, depth in self.recent.match(prefix_hashes, exact_ids, now).items():
                 if prefix_tokens[depth - 1] > cached.get(wid, 0):
                     cached[wid] = prefix_tokens[depth - 1]
