@@ -4,51 +4,20 @@ places each request, and its prefill moves to another worker of the pool only wh
 
 from __future__ import annotations
 
-import random
-
-import orjson
-
 from proxy.config import FleetConfig
-from proxy.protocol import LoadReport, WorkerRegistration
-from proxy.request import CHAT, parse_request
-from proxy.routing.base import PolicyDeps
-from proxy.routing.live import LiveConfig
-from proxy.routing.policy_set import PolicySet
-from proxy.routing.prefix_index import PrefixIndex
 from proxy.routing.service import RoutingService
 from proxy.workers.registry import Registry
+from tests.proxy.routing.split_support import LONG, add_worker, pick, request, routing_service
 
-LONG = " ".join(f"word{i}" for i in range(6000))
 FLEXIBLE = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
 
 
 def service(workers: dict[str, tuple[int, dict[str, str]]]) -> tuple[Registry, RoutingService]:
     """workers: id -> (requests running there, labels)."""
-    config = FleetConfig()
-    registry = Registry(clock=lambda: 100.0)
-    deps = PolicyDeps(prefix_index=PrefixIndex(), rng=random.Random(1))
-    routing = RoutingService(LiveConfig(config, PolicySet(config, "kv_aware", deps)), registry)
+    registry, routing = routing_service(FleetConfig())
     for wid, (running, labels) in workers.items():
-        registry.register(WorkerRegistration(worker_id=wid, url=f"http://{wid}", models=["m"], engine="sim",
-                                             kv_capacity_tokens=300_000, labels=labels))
-        registry.record_report(wid, LoadReport(worker_id=wid, url=f"http://{wid}", models=["m"], engine="sim",
-                                               kv_cache_usage=0.1, kv_capacity_tokens=300_000,
-                                               num_running=running, num_waiting=0, seq=1))
+        add_worker(registry, wid, "both", labels, running)
     return registry, routing
-
-
-def request(text: str = LONG):
-    return parse_request(orjson.dumps({"model": "m", "max_tokens": 64, "stream": True,
-                                       "messages": [{"role": "user", "content": text}]}), CHAT)
-
-
-def pick(routing: RoutingService, routed, tried: set[str] | None = None):
-    coro = routing.pick(routing.policy_for("m"), routed, "m", tried or set(), first_attempt=not tried)
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return done.value
-    raise AssertionError("the pick waited")
 
 
 def test_a_long_prompt_placed_on_a_worker_busy_decoding_is_prefilled_on_one_that_decodes_less():

@@ -6,52 +6,24 @@ the request whole; the other models keep their policy."""
 from __future__ import annotations
 
 import logging
-import random
 
 import orjson
 
 from proxy.config import FleetConfig
 from proxy.dataplane.stage_body import PREFILL_PARAMS, RELEASE_MODEL, decode_body, prefill_body, release_body
-from proxy.protocol import LoadReport, WorkerRegistration
-from proxy.request import CHAT, parse_request
-from proxy.routing.base import PolicyDeps
-from proxy.routing.live import LiveConfig
-from proxy.routing.policy_set import PolicySet
-from proxy.routing.prefix_index import PrefixIndex
 from proxy.routing.service import RoutingService
 from proxy.workers.registry import Registry
-
-LONG = " ".join(f"word{i}" for i in range(6000))
+from tests.proxy.routing.split_support import LONG, add_worker, pick, request, routing_service
 
 
 def service(roles: dict[str, str], split: str = "conditional", whole_on_prefill: bool = False
             ) -> tuple[Registry, RoutingService]:
     config = FleetConfig.model_validate({"proxy": {"routing": {"disagg": {"split": split,
                                                                           "whole_on_prefill": whole_on_prefill}}}})
-    registry = Registry(clock=lambda: 100.0)
-    deps = PolicyDeps(prefix_index=PrefixIndex(), rng=random.Random(1))
-    routing = RoutingService(LiveConfig(config, PolicySet(config, "kv_aware", deps)), registry)
+    registry, routing = routing_service(config)
     for wid, role in roles.items():
-        registry.register(WorkerRegistration(worker_id=wid, url=f"http://{wid}", models=["m"], engine="sim",
-                                             kv_capacity_tokens=300_000, role=role, labels={"kv_connector": "Nixl"}))
-        registry.record_report(wid, LoadReport(worker_id=wid, url=f"http://{wid}", models=["m"], engine="sim",
-                                               kv_cache_usage=0.1, kv_capacity_tokens=300_000,
-                                               num_running=0 if role == "prefill" else 32, num_waiting=0, seq=1))
+        add_worker(registry, wid, role, {"kv_connector": "Nixl"}, 0 if role == "prefill" else 32)
     return registry, routing
-
-
-def request(text: str = LONG, **extra: object):
-    return parse_request(orjson.dumps({"model": "m", "max_tokens": 64, "stream": True, **extra,
-                                       "messages": [{"role": "user", "content": text}]}), CHAT)
-
-
-def pick(routing: RoutingService, routed, tried: set[str] | None = None):
-    coro = routing.pick(routing.policy_for("m"), routed, "m", tried or set(), first_attempt=not tried)
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return done.value
-    raise AssertionError("the pick waited")
 
 
 def test_a_long_prompt_to_busy_decoders_is_split_and_a_short_one_stays_on_a_decoder():
