@@ -27,9 +27,9 @@ class KvAwareConfig(Knobs):
     prefix_weight: float = Field(1.0, ge=0, description="a cached prefix of prefix_saturation_tokens or more, in "
                                                         "units of a whole cache's KV usage")
     prefix_saturation_tokens: int = Field(1024, ge=1, description="cached tokens at which the prefix bonus is full")
-    prefix_bonus_per_step: float = Field(1.0, ge=0, description="a cached prefix longer than the engine's token budget "
-                                                                "per step counts this many x its steps' worth of "
-                                                                "tokens instead of 1 (0: capped at 1)")
+    prefix_bonus_per_step: float = Field(3.0, ge=0, description="each step's worth of tokens of a cached prefix "
+                                                                "beyond the engine's first step adds this to its "
+                                                                "bonus (0: capped at 1)")
     prefix_by_share: bool = Field(True, description="weigh the prefix bonus by the share of the prompt cached")
     backlog_weight: float = Field(10.0, ge=0, description="per prompt token waiting to prefill there, / KV capacity")
     cached_prefill_credit: float = Field(0.5, ge=0, description="share of a cached prefix credited against the "

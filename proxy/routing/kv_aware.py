@@ -8,8 +8,9 @@ prefixes from prefix_index.py, candidates from candidates.py's rosters, the weig
             - prefix_weight * held(w) * cached_tokens(w) / prompt_tokens
             + backlog_weight * (prefill_backlog(w) - credit(w) * cached_tokens(w)) / capacity(w)
             + evict_weight * backlog_weight * credit(evicted(w)) * evicted(w) / capacity(w)
-    held(w)   = max(min(1, cached_tokens(w) / prefix_saturation_tokens),
-                    prefix_bonus_per_step * cached_tokens(w) / step_tokens(w))     # step_tokens: the engine's budget
+    held(w)   = min(1, cached_tokens(w) / prefix_saturation_tokens)
+                + prefix_bonus_per_step * max(0, cached_tokens(w) - step_tokens(w)) / step_tokens(w)
+                (step_tokens: the engine's token budget per step; a copy of a longer prefix takes more whole steps)
     credit(t) = cached_prefill_credit + credit_per_cache_share * t / capacity(w)
     evicted(w) = the hot prefix tokens (routed there more than once, not this request's) that the request's
                  new KV pushes out of the engine's free blocks: min(hot, free) + new - free, within [0, min(hot, free)]
@@ -75,8 +76,8 @@ def prefix_bonus_of(knobs: KvAwareConfig) -> PrefixBonus:
         if not cached:
             return 0.0
         held = cached / saturation if cached < saturation else 1.0
-        if per_step and cached * per_step > step_tokens:  # its copy's prefill takes more than one whole step
-            held = per_step * cached / step_tokens
+        if per_step and cached > step_tokens:  # its copy's prefill takes more than one whole step
+            held += per_step * (cached - step_tokens) / step_tokens
         bonus = prefix_weight * held
         if by_share and request.prompt_tokens > cached:
             bonus *= cached / request.prompt_tokens

@@ -294,3 +294,6 @@ def test_kv_aware_with_a_bonus_per_step_keeps_a_prefix_longer_than_an_engine_ste
     assert pick(1.0, 2048) == "holder"  # a copy takes 3.6 steps of 2048 tokens: worth 3.6 units, it stays home
     assert pick(KvAwareConfig().prefix_bonus_per_step, 2048) == "holder"  # the default counts the steps
     assert pick(1.0, None) == pick(1.0, 32768) == "other"  # within one step of these engines: capped as before
+    # only the steps beyond the first count: a prefix within one step stays capped whatever the per-step bonus
+    assert pick(3.0, None) == "other"
+    assert pick(3.0, 4096) == "holder"  # 1.8 steps of 4096 tokens: 1 + 3 x 0.8 units
