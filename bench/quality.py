@@ -36,6 +36,7 @@ from bench.traces import (
     trace_path,
 )
 from bench.workloads import DEFAULT_REQUESTS, FAMILIES, KINDS, MODEL_A, Workload, load_or_generate
+from proxy import promtext
 
 ROUTES = ("kvroute:default", "kvroute:kv_aware", "kvroute:round_robin", "oracle",
           "sglang-router:cache_aware", "sglang-router:power_of_two",
@@ -113,6 +114,7 @@ def run_cell(args: argparse.Namespace, w: Workload | TraceWorkload, route: str, 
             router_cpu = (router.tree.cpu_seconds() - cpu0) / run.wall_s if router else None
             after = fleet.sim_states()
             oracle_stats = _oracle_stats(router.url) if kind == "oracle" and router else None
+            holders_left = _holders_left(router.url) if kind == "kvroute" and router else None
         finally:
             if router:
                 router.stop()
@@ -132,7 +134,7 @@ def run_cell(args: argparse.Namespace, w: Workload | TraceWorkload, route: str, 
     if args.save_requests:
         save_requests(args.save_requests, w, route, load, salt, run)
     row.update(engine_deltas(before, after), route=route, load=load, router_cpu=router_cpu, oracle=oracle_stats,
-               oracle_decision_p50_s=(oracle_stats or {}).get("p50_s"),
+               oracle_decision_p50_s=(oracle_stats or {}).get("p50_s"), holders_left=holders_left,
                makespan_s=max(done) if done else None,
                ttfts=[r.ttft_s for r in run.results if r.ok and r.ttft_s is not None])
     return row
@@ -143,6 +145,18 @@ def _oracle_stats(url: str) -> dict[str, Any] | None:
 
     status, body = _get(url + "/oracle/stats", 5.0)
     return json.loads(body) if status == 200 else None
+
+
+def _holders_left(url: str) -> int | None:
+    """kvroute's decisions that sent a request away from a worker caching more than half its prompt (kv_aware's
+    reason `left_holder` in its routing_decisions counter); None when /metrics does not answer."""
+    from bench.peers import _get
+
+    status, body = _get(url + "/metrics", 5.0)
+    if status != 200:
+        return None
+    name = "kvroute:routing_decisions_total"
+    return int(promtext.parse(body.decode(errors="replace"), names=[name]).total(name, {"reason": "left_holder"}) or 0)
 
 
 def calibrate(args: argparse.Namespace, w: Workload | TraceWorkload, log_dir: Path) -> tuple[float, dict[str, float]]:
@@ -314,7 +328,8 @@ def run(args: argparse.Namespace) -> int:
                           f"{row['rejected_503']} fail={row['failed']} ttft p50/p99={ms(row['ttft_p50'], digits=0)}/"
                           f"{ms(row['ttft_p99'], digits=0)} ms goodput={100 * row['goodput_frac']:.0f}% "
                           f"hit={fmt(row['prefix_hit'], digits=2)} preempt={row['preemptions']} "
-                          f"per worker={row['per_worker']} lag={row['engine_lag_s']:.2f}s "
+                          + (f"holders left={row['holders_left']} " if row.get("holders_left") is not None else "")
+                          + f"per worker={row['per_worker']} lag={row['engine_lag_s']:.2f}s "
                           f"({time.time() - t0:.0f} s; ETA {eta / 60:.0f} min)",
                           flush=True)
                     data["meta"]["took_s"] = time.time() - t_start

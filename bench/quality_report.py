@@ -14,7 +14,7 @@ from bench.workloads import FAMILIES, KINDS
 PEERS = ("sglang-router", "vllm-router", "lmdeploy")
 METRICS = ("req_per_s", "makespan_s", "ttft_p50", "ttft_p90", "ttft_p99", "goodput_frac", "rejected_429", "rejected_503",
            "failed", "prefix_hit", "prefill_tokens", "preemptions", "engine_lag_s", "router_cpu", "oracle_decision_p50_s",
-           "ttft_p99_warm", "lat_p99", "ttft_p99_seen", "cold_in_slowest_1pct", "cold_first_uses")
+           "ttft_p99_warm", "lat_p99", "ttft_p99_seen", "cold_in_slowest_1pct", "cold_first_uses", "holders_left")
 
 
 def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -189,7 +189,7 @@ def render(data: dict[str, Any]) -> str:
                f"of capacity = the best steady-state closed-loop throughput among `{meta['calibrate_routes']}`. "
                f"Goodput = share of all requests (refused ones included) with TTFT <= {meta['ttft_slo']:g} s. "
                f"Prefix hit, prefilled tokens, preemptions and requests per worker are the engines' own counters "
-               f"(/sim/state deltas). p99 after 1st wave (closed loop) = TTFT p99 of the requests sent after the "
+               f"(/sim/state deltas). Holders left (kvroute only) = its decisions that sent a request away from a worker caching more than half its prompt (kv_aware's `left_holder`, from its /metrics). p99 after 1st wave (closed loop) = TTFT p99 of the requests sent after the "
                f"first response finished: the loop's steady tail, without every client's first request onto the cold "
                f"fleet at once (~13% of a cell, so the cell's p99 is that cold start's). Cold first uses = the "
                f"requests that were first to present their shared prefix (system prompt, or system prompt + image; "
@@ -229,12 +229,12 @@ def render(data: dict[str, Any]) -> str:
                          metric_cell(a, "ttft_p99_seen", 1000), metric_cell(a, "cold_in_slowest_1pct", digits=1),
                          metric_cell(a, "lat_p99", 1000), metric_cell(a, "goodput_frac", 100, 0, "%"), f"{metric_cell(a, 'rejected_429')}/{metric_cell(a, 'rejected_503')}", metric_cell(a, "failed"),
                          metric_cell(a, "prefix_hit", 100, 0, "%"), metric_cell(a, "prefill_tokens", 1e-3, 0, "k"),
-                         metric_cell(a, "preemptions"), "/".join(str(x) for x in a["per_worker"]),
+                         metric_cell(a, "holders_left", digits=0), metric_cell(a, "preemptions"), "/".join(str(x) for x in a["per_worker"]),
                          metric_cell(a, "router_cpu", 100, 0, "%"), metric_cell(a, "engine_lag_s", digits=2)])
         out.append(md_table(["load", "route", "reps", "makespan s (closed) / req/s (open)", "TTFT p50 ms",
                              "TTFT p90 ms", "TTFT p99 ms", "p99 after 1st wave", "p99 without cold first uses",
                              "cold first uses in slowest 1%", "end-to-end p99 ms", "goodput", "429/503", "failed", "prefix hit", "prefilled",
-                             "preempt", "requests per worker", "router CPU", "engine lag s"], rows))
+                             "holders left", "preempt", "requests per worker", "router CPU", "engine lag s"], rows))
         out.append("")
         for failure in data.get("failed_cells", []):
             if failure.startswith(family + " "):

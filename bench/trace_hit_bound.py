@@ -29,8 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,25 +45,47 @@ from bench.traces import (
     trace_path,
 )
 
-# (leading blocks held per worker, tokens prefilled per worker, the request's blocks) -> worker
-Chooser = Callable[[Sequence[int], Sequence[int], int], int]
+
+@dataclass
+class Fleet:
+    """What a placement rule sees for one request: per worker, the request's leading blocks its cache holds, the
+    tokens it prefilled so far, and those it prefilled in the last `recent_s` trace seconds (its load now)."""
+
+    matches: list[int]
+    prefilled: list[int]
+    recent: list[int]
+    blocks: int  # the request's
+
+    def holder(self) -> int:
+        """The worker holding the longest leading match (ties: fewest tokens prefilled there so far)."""
+        return min(range(len(self.matches)), key=lambda i: (-self.matches[i], self.prefilled[i]))
+
+    def holds_most(self, worker: int) -> bool:
+        """Whether `worker` holds more than half the request's blocks (sglang-router cache_aware's threshold)."""
+        return self.matches[worker] * 2 > self.blocks
 
 
-def _sticky(matches: Sequence[int], prefilled: Sequence[int], blocks: int) -> int:
-    best = min(range(len(matches)), key=lambda i: (-matches[i], prefilled[i]))
-    return best if matches[best] * 2 > blocks else _balanced(matches, prefilled, blocks)
+Chooser = Callable[[Fleet], int]
 
 
-def _balanced(matches: Sequence[int], prefilled: Sequence[int], blocks: int) -> int:
-    return min(range(len(matches)), key=lambda i: prefilled[i])
+def sticky(fleet: Fleet) -> int:
+    best = fleet.holder()
+    return best if fleet.holds_most(best) else balanced(fleet)
 
 
-def replay_hit(requests: Sequence[TraceRequest], workers: int, blocks_per_worker: int | None,
-               choose: Chooser = _sticky) -> float:
-    """Share of the requests' prompt tokens found cached (module docstring); blocks_per_worker None: unbounded."""
+def balanced(fleet: Fleet) -> int:
+    return min(range(len(fleet.prefilled)), key=lambda i: fleet.prefilled[i])
+
+
+def replay(requests: Sequence[TraceRequest], workers: int, blocks_per_worker: int | None,
+           choose: Chooser = sticky, recent_s: float = 10.0) -> tuple[float, int]:
+    """(share of the requests' prompt tokens found cached, requests sent away from a worker holding more than half
+    their blocks) under `choose`, as the module docstring says; blocks_per_worker None: unbounded caches."""
     caches: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(workers)]
     prefilled = [0] * workers
-    hit = total = 0
+    recent: list[deque[tuple[float, int]]] = [deque() for _ in range(workers)]
+    load = [0] * workers
+    hit = total = left = 0
     for req in requests:
         matches = []
         for cache in caches:
@@ -72,11 +95,19 @@ def replay_hit(requests: Sequence[TraceRequest], workers: int, blocks_per_worker
                     break
                 n += 1
             matches.append(n)
-        w = choose(matches, prefilled, len(req.hash_ids)) if workers > 1 else 0
+        for w, done in enumerate(recent):
+            while done and done[0][0] <= req.t_s - recent_s:
+                load[w] -= done.popleft()[1]
+        fleet = Fleet(matches, prefilled, load, len(req.hash_ids))
+        w = choose(fleet) if workers > 1 else 0
+        if workers > 1 and fleet.holds_most(fleet.holder()) and not fleet.holds_most(w):
+            left += 1
         found = min(matches[w] * BLOCK_TOKENS, req.input_length - 1)
         hit += found
         total += req.input_length
         prefilled[w] += req.input_length - found
+        recent[w].append((req.t_s, req.input_length - found))
+        load[w] += req.input_length - found
         cache = caches[w]
         for h in reversed(req.hash_ids):  # as vLLM frees a request's blocks: its tail is evicted first
             cache[h] = None
@@ -84,7 +115,13 @@ def replay_hit(requests: Sequence[TraceRequest], workers: int, blocks_per_worker
         if blocks_per_worker is not None:
             while len(cache) > blocks_per_worker:
                 cache.popitem(last=False)
-    return hit / total if total else 0.0
+    return (hit / total if total else 0.0), left
+
+
+def replay_hit(requests: Sequence[TraceRequest], workers: int, blocks_per_worker: int | None,
+               choose: Chooser = sticky) -> float:
+    """Share of the requests' prompt tokens found cached (module docstring); blocks_per_worker None: unbounded."""
+    return replay(requests, workers, blocks_per_worker, choose)[0]
 
 
 def bounds(requests: Sequence[TraceRequest], workers: int, kv_tokens_per_worker: int) -> dict[str, float]:
@@ -92,8 +129,8 @@ def bounds(requests: Sequence[TraceRequest], workers: int, kv_tokens_per_worker:
     per_worker = kv_tokens_per_worker // BLOCK_TOKENS
     return {"unbounded": replay_hit(requests, 1, None),
             "pooled": replay_hit(requests, 1, per_worker * workers),
-            "sticky": replay_hit(requests, workers, per_worker, _sticky),
-            "balanced": replay_hit(requests, workers, per_worker, _balanced)}
+            "sticky": replay_hit(requests, workers, per_worker, sticky),
+            "balanced": replay_hit(requests, workers, per_worker, balanced)}
 
 
 def _load(load: Any) -> str:

@@ -21,8 +21,9 @@ prefixes the copy evicts there); the in-flight term gives a hot prefix replicas 
 every decode there. Candidates are scored in the order of their cost without the prefix and eviction terms (the
 roster's key, a lower bound of a non-holder's cost): the `shortlist` least loaded, those the prefix index names,
 and any further one whose key is below the best cost found; the minimum is the full scan's
-(tests/proxy/routing/test_candidates.py). What each term is for and the runs that set each weight:
-docs/design/kv_aware.md.
+(tests/proxy/routing/test_candidates.py). A pick away from a candidate caching more than half the prompt has the
+reason `left_holder` (counted in kvroute:routing_decisions_total). What each term is for and the runs that set
+each weight: docs/design/kv_aware.md.
 """
 
 from __future__ import annotations
@@ -125,6 +126,15 @@ def worker_cost_of(knobs: KvAwareConfig) -> WorkerCost:
     return worker_cost
 
 
+def _reason(request: RoutedRequest, cached: int, cached_of: Mapping[str, int]) -> str:
+    """The decision's reason: `left_holder` when a candidate caches more than half the prompt and the pick does not
+    (its load outweighed the prefix: the engine prefills a copy there), else `lowest_cost`."""
+    half = request.prompt_tokens / 2
+    if cached <= half and cached_of and max(cached_of.values()) > half:
+        return "left_holder"
+    return "lowest_cost"
+
+
 class KvAwarePolicy(Policy):
     name = "kv_aware"
     config: KvAwareConfig
@@ -167,7 +177,8 @@ class KvAwarePolicy(Policy):
                       request.prompt_tokens, self._explain(candidates, scores, cached_of, request, now),
                       best.worker_id, best_cached)
         prefill = max(0, request.prompt_tokens - best_cached)
-        return Decision(best, "lowest_cost", prefill + request.expected_output_tokens, scores, prefill_tokens=prefill,
+        return Decision(best, _reason(request, best_cached, cached_of), prefill + request.expected_output_tokens,
+                        scores, prefill_tokens=prefill,
                         cached_tokens=best_cached if request.prefix_hashes and len(candidates) > 1 else None)
 
     def select_from(self, candidates: Candidates, request: RoutedRequest, now: float) -> Decision:
@@ -227,8 +238,9 @@ class KvAwarePolicy(Policy):
                       self._explain([w for w, _, _ in scored], scores, cached_of, request, now), best.worker_id,
                       best_cached)
         prefill = max(0, request.prompt_tokens - best_cached)
-        return Decision(best, "lowest_cost", prefill + request.expected_output_tokens, scores, prefill_tokens=prefill,
-                        cached_tokens=best_cached if request.prefix_hashes else None)
+        reachable = {wid: cached for wid, cached in cached_of.items() if wid not in excluded and roster.member(wid)}
+        return Decision(best, _reason(request, best_cached, reachable), prefill + request.expected_output_tokens,
+                        scores, prefill_tokens=prefill, cached_tokens=best_cached if request.prefix_hashes else None)
 
     def _among_tied(self, roster: Roster, entries: Sequence[Entry], scanned: int, key: tuple[float, int],
                     tied: Sequence[tuple[Worker, int]], cached_of: dict[str, int], excluded: Collection[str],

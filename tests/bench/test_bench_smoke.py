@@ -100,6 +100,9 @@ def test_quality_smoke_runs_sessions_through_kvroute_and_the_oracle_on_fresh_fle
         assert sum(r["per_worker"]) == 40, r
         # the turns of a session repeat its history: the engines must hit their prefix caches
         assert r["prefix_hit"] > 0.3, r
+    # kvroute's own count of requests sent away from the worker caching most of their prompt (its /metrics)
+    holders_left = {r["route"]: r["holders_left"] for r in data["rows"]}
+    assert isinstance(holders_left["kvroute:default"], int) and holders_left["oracle"] is None, holders_left
     assert not list(tmp_path.glob("*.png"))  # the TTFT CDFs are in the JSON, for `kvroute bench plot`
     cdfs = data["meta"]["families"]["sessions"]["ttft_cdf"]["0.8"]
     assert set(cdfs) == {r["label"] for r in data["rows"]} and all(len(c) == len(CDF_QUANTILES) for c in cdfs.values())

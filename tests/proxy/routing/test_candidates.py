@@ -111,7 +111,7 @@ def test_the_shortlist_picks_a_worker_as_cheap_as_the_full_scans_best(seed, size
     """(With 4,000 tokens of KV a worker's hot prefixes fill its free blocks: most decisions weigh evictions.)"""
     rng = random.Random(seed)
     fleet = Fleet(size or rng.randint(50, 200), seed, capacity=capacity)
-    checked = evicting = 0
+    checked = evicting = left = 0
     for round_ in range(40):
         fleet.churn(rng.randint(5, 80))
         for i in range(5):
@@ -123,6 +123,13 @@ def test_the_shortlist_picks_a_worker_as_cheap_as_the_full_scans_best(seed, size
             best, scores = full_scan_best(fleet, candidates, request)
             assert fast.worker.worker_id not in tried
             assert (round(scores[fast.worker.worker_id], 9), fast.worker.load.in_flight) == best
+            # a pick away from a candidate that caches more than half the prompt says so
+            cached = fleet.deps.cached_prefix.match(request, {w.worker_id for w in candidates.workers},
+                                                    fleet.clock.now)
+            half = request.prompt_tokens / 2
+            away = max(cached.values(), default=0) > half >= cached.get(fast.worker.worker_id, 0)
+            assert fast.reason == ("left_holder" if away else "lowest_cost")
+            left += away
             # beyond the shortlist and the holders, it scores only workers whose load key is below the best cost
             keys = {w.worker_id: load_cost(w.load) for w in candidates.workers}
             below = sum(1 for wid, key in keys.items() if round(key, 9) < best[0])

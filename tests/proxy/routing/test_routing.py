@@ -288,7 +288,11 @@ def test_kv_aware_with_a_bonus_per_step_keeps_a_prefix_longer_than_an_engine_ste
         holder = dispatch(policy, [a, b], request("q0", system=system)).worker
         for _ in range(2):  # 50k prompt tokens waiting to prefill there
             holder.load.start_request(25_000, NOW, prefill_tokens=25_000)
-        return "holder" if policy.select([a, b], request("q1", system=system), NOW).worker is holder else "other"
+        decision = policy.select([a, b], request("q1", system=system), NOW)
+        where = "holder" if decision.worker is holder else "other"
+        # the decision says when load outweighed the prefix (kvroute:routing_decisions_total counts the reason)
+        assert decision.reason == {"holder": "lowest_cost", "other": "left_holder"}[where]
+        return where
 
     assert pick(0.0, 2048) == "other"  # capped at prefix_weight: the queue outweighs it, and the prefix is copied
     assert pick(1.0, 2048) == "holder"  # a copy takes 3.6 steps of 2048 tokens: worth 3.6 units, it stays home
