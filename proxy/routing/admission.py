@@ -6,8 +6,10 @@ fits no worker's context (400); which worker gets a request is the policy's.
 A request is held only while every candidate engine is already queueing (WorkerLoad.engine_backlog: it
 reported requests waiting, or what was sent to it since has not shown up, see loadview.py); then the first
 engine that frees room takes the head of the queue (late binding). A completion, a first output, a report, a
-registration, drain or removal re-checks each head; arrivals never pass a waiter. A request whose prefix is
-cached somewhere goes to that worker's queue at once; others are held only when predicted to start sooner.
+registration, drain or removal re-checks each head; arrivals never pass a waiter. With kv_cost, a request whose
+pick is its prefix owner goes to that worker's queue at once, others are held only when predicted to start sooner;
+a policy that predicts no times (kv_aware, the default) has each request held then, holders' included, and places
+it when an engine frees room (its pick may still be the holder's queue).
 `kv_high_water` below 1.0 also holds while every candidate's projected KV usage is at or above it (off by
 default). Candidates come from candidates.py's rosters. The rules of engine_backlog are config.yaml's
 `proxy.routing.admission`: the controller gives them to every worker's load, at registration and on a config

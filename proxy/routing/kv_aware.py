@@ -126,12 +126,15 @@ def worker_cost_of(knobs: KvAwareConfig) -> WorkerCost:
     return worker_cost
 
 
-def _reason(request: RoutedRequest, cached: int, cached_of: Mapping[str, int]) -> str:
+def _reason(request: RoutedRequest, cached: int, cached_of: Mapping[str, int], owners_now: bool) -> str:
     """The decision's reason: `left_holder` when a candidate caches more than half the prompt and the pick does not
-    (its load outweighed the prefix: the engine prefills a copy there), else `lowest_cost`."""
-    half = request.prompt_tokens / 2
-    if cached <= half and cached_of and max(cached_of.values()) > half:
+    (its load outweighed the prefix: the engine prefills a copy there); with `send_owners_now`, `prefix_owner` when
+    the pick caches the longest prefix (admission sends it at once); else `lowest_cost`."""
+    deepest = max(cached_of.values()) if cached_of else 0
+    if cached <= request.prompt_tokens / 2 < deepest:
         return "left_holder"
+    if owners_now and cached and cached >= deepest:
+        return "prefix_owner"
     return "lowest_cost"
 
 
@@ -177,8 +180,8 @@ class KvAwarePolicy(Policy):
                       request.prompt_tokens, self._explain(candidates, scores, cached_of, request, now),
                       best.worker_id, best_cached)
         prefill = max(0, request.prompt_tokens - best_cached)
-        return Decision(best, _reason(request, best_cached, cached_of), prefill + request.expected_output_tokens,
-                        scores, prefill_tokens=prefill,
+        reason = _reason(request, best_cached, cached_of, self.config.send_owners_now)
+        return Decision(best, reason, prefill + request.expected_output_tokens, scores, prefill_tokens=prefill,
                         cached_tokens=best_cached if request.prefix_hashes and len(candidates) > 1 else None)
 
     def select_from(self, candidates: Candidates, request: RoutedRequest, now: float) -> Decision:
@@ -239,8 +242,9 @@ class KvAwarePolicy(Policy):
                       best_cached)
         prefill = max(0, request.prompt_tokens - best_cached)
         reachable = {wid: cached for wid, cached in cached_of.items() if wid not in excluded and roster.member(wid)}
-        return Decision(best, _reason(request, best_cached, reachable), prefill + request.expected_output_tokens,
-                        scores, prefill_tokens=prefill, cached_tokens=best_cached if request.prefix_hashes else None)
+        reason = _reason(request, best_cached, reachable, self.config.send_owners_now)
+        return Decision(best, reason, prefill + request.expected_output_tokens, scores, prefill_tokens=prefill,
+                        cached_tokens=best_cached if request.prefix_hashes else None)
 
     def _among_tied(self, roster: Roster, entries: Sequence[Entry], scanned: int, key: tuple[float, int],
                     tied: Sequence[tuple[Worker, int]], cached_of: dict[str, int], excluded: Collection[str],
