@@ -42,8 +42,6 @@ class KvAwareConfig(Knobs):
                                                     "prefix is (0: not counted)")
     shortlist: int = Field(8, ge=1, description="least loaded workers scored besides the prefix holders (the pick "
                                                 "is the full scan's)")
-    send_owners_now: bool = Field(False, description="while every engine queues, send a request whose pick caches its "
-                                                     "longest prefix to that queue at once, not held for late binding")
 
 
 class KvCostConfig(Knobs):

@@ -126,16 +126,11 @@ def worker_cost_of(knobs: KvAwareConfig) -> WorkerCost:
     return worker_cost
 
 
-def _reason(request: RoutedRequest, cached: int, cached_of: Mapping[str, int], owners_now: bool) -> str:
+def _reason(request: RoutedRequest, cached: int, cached_of: Mapping[str, int]) -> str:
     """The decision's reason: `left_holder` when a candidate caches more than half the prompt and the pick does not
-    (its load outweighed the prefix: the engine prefills a copy there); with `send_owners_now`, `prefix_owner` when
-    the pick caches the longest prefix (admission sends it at once); else `lowest_cost`."""
+    (its load outweighed the prefix: the engine prefills a copy there), else `lowest_cost`."""
     deepest = max(cached_of.values()) if cached_of else 0
-    if cached <= request.prompt_tokens / 2 < deepest:
-        return "left_holder"
-    if owners_now and cached and cached >= deepest:
-        return "prefix_owner"
-    return "lowest_cost"
+    return "left_holder" if cached <= request.prompt_tokens / 2 < deepest else "lowest_cost"
 
 
 class KvAwarePolicy(Policy):
@@ -180,7 +175,7 @@ class KvAwarePolicy(Policy):
                       request.prompt_tokens, self._explain(candidates, scores, cached_of, request, now),
                       best.worker_id, best_cached)
         prefill = max(0, request.prompt_tokens - best_cached)
-        reason = _reason(request, best_cached, cached_of, self.config.send_owners_now)
+        reason = _reason(request, best_cached, cached_of)
         return Decision(best, reason, prefill + request.expected_output_tokens, scores, prefill_tokens=prefill,
                         cached_tokens=best_cached if request.prefix_hashes and len(candidates) > 1 else None)
 
@@ -242,7 +237,7 @@ class KvAwarePolicy(Policy):
                       best_cached)
         prefill = max(0, request.prompt_tokens - best_cached)
         reachable = {wid: cached for wid, cached in cached_of.items() if wid not in excluded and roster.member(wid)}
-        reason = _reason(request, best_cached, reachable, self.config.send_owners_now)
+        reason = _reason(request, best_cached, reachable)
         return Decision(best, reason, prefill + request.expected_output_tokens, scores, prefill_tokens=prefill,
                         cached_tokens=best_cached if request.prefix_hashes else None)
 

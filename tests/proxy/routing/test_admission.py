@@ -273,25 +273,18 @@ def test_with_admit_after_output_requests_sent_since_the_report_hold_the_next_un
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("owners_now", [False, True])
-async def test_kv_aware_holds_a_prefix_owners_request_while_every_engine_queues_unless_told_to_send_it(owners_now):
-    from proxy.routing_config import KvAwareConfig, PolicyKnobs
-
+async def test_kv_aware_holds_even_a_prefix_owners_request_while_every_engine_queues_and_places_it_on_its_owner():
     clock, registry, admission, _ = setup({"a": None, "b": None})
     deps = PolicyDeps(prefix_index=PrefixIndex(), rng=random.Random(1))
-    policy = make_policy("kv_aware", deps, PolicyKnobs(kv_aware=KvAwareConfig(send_owners_now=owners_now)))
+    policy = make_policy("kv_aware", deps)
     request = chat("Shared instructions. " * 400 + "question")
     deps.cached_prefix.insert(request, "a", clock.now)  # "a" caches the whole prompt
     report(registry, "a", 0.9, running=60, waiting=4)
     report(registry, "b", 0.9, running=60, waiting=4)  # every engine queueing
-    if owners_now:  # to the owner's queue at once: a freed engine would prefill it all again
-        decision = admit_without_suspending(admission, policy, request)
-        assert (decision.worker.worker_id, decision.reason) == ("a", "prefix_owner")
-        assert admission.queue_lengths() == {}
-        return
     waiter = asyncio.ensure_future(admission.admit(policy, request, "m", set(), first_attempt=True))
     await turns()
     assert not waiter.done() and admission.queue_lengths() == {"m": 1}  # held for late binding
     report(registry, "b", 0.5, running=30, waiting=0)  # "b" frees room: the held request is placed now
     await turns()
-    assert waiter.done() and waiter.result().worker.worker_id == "a"  # still its owner, by kv_aware's cost
+    # on its owner still, by kv_aware's cost: a freed engine would prefill the whole prompt again
+    assert waiter.done() and waiter.result().worker.worker_id == "a"
