@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from bench.trace_hit_bound import Chooser, Fleet, balanced, replay, sticky
+from bench.trace_hit_bound import Chooser, Fleet, balanced, following, replay, sticky
 from bench.traces import (
     BLOCK_TOKENS,
     TRACE_DIR,
@@ -42,19 +42,9 @@ def _least_loaded(fleet: Fleet) -> int:
     return min(range(len(fleet.recent)), key=lambda i: (fleet.recent[i], fleet.prefilled[i]))
 
 
-def _sticky_cold_to_least_loaded(fleet: Fleet) -> int:
-    best = fleet.holder()
-    return best if fleet.holds_most(best) else _least_loaded(fleet)
-
-
-def _sticky_cold_to_random(seed: int) -> Chooser:
+def _cold_to_random(seed: int) -> Chooser:
     rng = random.Random(seed)
-
-    def choose(fleet: Fleet) -> int:
-        best = fleet.holder()
-        return best if fleet.holds_most(best) else rng.randrange(len(fleet.matches))
-
-    return choose
+    return following(lambda fleet: rng.randrange(len(fleet.matches)))
 
 
 def leaving_above(tokens: int) -> Chooser:
@@ -71,8 +61,8 @@ def rules() -> list[tuple[str, Callable[[int], Chooser]]]:
     """(name, seed -> chooser) of each rule of the module docstring, in the table's order."""
     out: list[tuple[str, Callable[[int], Chooser]]] = [
         ("matches nothing: fewest tokens prefilled so far (sglang-router)", lambda _: sticky),
-        ("matches nothing: least loaded now", lambda _: _sticky_cold_to_least_loaded),
-        ("matches nothing: random", _sticky_cold_to_random)]
+        ("matches nothing: least loaded now", lambda _: following(_least_loaded)),
+        ("matches nothing: random", _cold_to_random)]
     for n in (100_000, 50_000, 20_000, 10_000):
         out.append((f"matches nothing: least loaded now; leaves the holder {n // 1000}k tokens busier",
                     lambda _, n=n: leaving_above(n)))

@@ -68,9 +68,17 @@ class Fleet:
 Chooser = Callable[[Fleet], int]
 
 
+def following(otherwise: Chooser) -> Chooser:
+    """A rule that sends a request to the worker holding more than half its blocks, else where `otherwise` says."""
+    def choose(fleet: Fleet) -> int:
+        best = fleet.holder()
+        return best if fleet.holds_most(best) else otherwise(fleet)
+
+    return choose
+
+
 def sticky(fleet: Fleet) -> int:
-    best = fleet.holder()
-    return best if fleet.holds_most(best) else balanced(fleet)
+    return following(balanced)(fleet)
 
 
 def balanced(fleet: Fleet) -> int:
