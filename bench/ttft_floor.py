@@ -25,14 +25,25 @@ names (--result) or --trace-start/--trace-duration give: each request's leading 
 earlier request of the window presented count as cached, the rest is prefilled alone. Its bar is issue 34's
 (0.8x the best peer, at p90 and p99).
 
+A trace cell also gets a queue floor (`queue_floor`): the same prefill times at the cell's arrival times, on a
+fleet relaxed in a router's favour. One least-recently-used cache of the whole fleet's KV, no block held twice and
+every engine able to use every block (bench/trace_hit_bound.py's `pooled`: the fleet's KV with no copies); each
+request to the engine that frees first, engines working one prefill after another in arrival order (vLLM's
+first-come-first-served; a proxy that holds requests and binds them late reaches that); no decode work, no running
+request's KV taking cache room. A model, not a strict bound (as trace_hit_bound's), but every real route pays some
+of what it leaves out, so where 0.8x the best peer lies near or below the queue floor, the bar asks a router for more
+than placement can give.
+
 Run: python -m bench.ttft_floor [--result bench/results/<quality>.json] [--families ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import sys
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -42,7 +53,7 @@ from backends.sim.kvcache import block_hashes
 from backends.sim.presets import Preset, get_preset
 from backends.sim.tokens import chat_prompt
 from bench.loadgen import percentile
-from bench.traces import BLOCK_TOKENS, TRACE_DIR, TRACE_FAMILIES, read_trace, trace_path
+from bench.traces import BLOCK_TOKENS, TRACE_DIR, TRACE_FAMILIES, TraceRequest, read_trace, trace_path
 from bench.workloads import KINDS, load_or_generate
 
 PRESET = "h100-qwen3-vl-8b"
@@ -86,16 +97,20 @@ def family_floors(kind: str, preset: Preset, seed: int = 1, n: int = 1000) -> li
     return floors
 
 
+def window_requests(family: str, preset: Preset, start_s: float, duration_s: float,
+                    trace_dir: Path = TRACE_DIR) -> list[TraceRequest]:
+    """The requests of a trace's window the quality bench sends (prompt and output within the preset's context)."""
+    return [r for r in read_trace(trace_path(family, trace_dir))
+            if start_s <= r.t_s < start_s + duration_s and r.input_length + max(1, r.output_length) <= preset.max_model_len]
+
+
 def trace_floors(family: str, preset: Preset, start_s: float, duration_s: float,
                  trace_dir: Path = TRACE_DIR) -> list[float]:
     """Each request's floor (seconds) in a trace's window, in arrival order, over the requests the quality bench
     keeps (prompt and output within the preset's context)."""
-    end = start_s + duration_s
     seen: set[int] = set()
     floors = []
-    for r in read_trace(trace_path(family, trace_dir)):
-        if not start_s <= r.t_s < end or r.input_length + max(1, r.output_length) > preset.max_model_len:
-            continue
+    for r in window_requests(family, preset, start_s, duration_s, trace_dir):
         cached = 0
         for h in r.hash_ids:
             if h not in seen:
@@ -104,6 +119,37 @@ def trace_floors(family: str, preset: Preset, start_s: float, duration_s: float,
         seen.update(r.hash_ids)
         floors.append(request_floor_s(preset, [0] * r.input_length, [], min(cached * BLOCK_TOKENS, r.input_length)))
     return floors
+
+
+def queue_floor(requests: list[TraceRequest], preset: Preset, workers: int, kv_tokens_per_worker: int,
+                speedup: float) -> tuple[list[float], float]:
+    """(each request's TTFT in seconds, the share of prompt tokens found cached) on the relaxed fleet of the module
+    docstring, the window replayed `speedup` times faster than recorded."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    blocks = workers * (kv_tokens_per_worker // BLOCK_TOKENS)
+    free_at = [0.0] * workers  # a heap: when each engine finishes the prefills it was given
+    ttfts: list[float] = []
+    hit = total = 0
+    start = requests[0].t_s if requests else 0.0
+    for r in requests:
+        n = 0
+        for h in r.hash_ids:
+            if h not in cache:
+                break
+            n += 1
+        found = min(n * BLOCK_TOKENS, r.input_length - 1)
+        hit, total = hit + found, total + r.input_length
+        for h in reversed(r.hash_ids):  # as vLLM frees a request's blocks: its tail is evicted first
+            cache[h] = None
+            cache.move_to_end(h)
+        while len(cache) > blocks:
+            cache.popitem(last=False)
+        arrival = (r.t_s - start) / speedup
+        begins = max(arrival, heapq.heappop(free_at))
+        done = begins + request_floor_s(preset, [0] * r.input_length, [], found)
+        heapq.heappush(free_at, done)
+        ttfts.append(done - arrival)
+    return ttfts, (hit / total if total else 0.0)
 
 
 def closed_wave_floor_s(kind: str, preset: Preset, clients: int, workers: int, seed: int = 1, n: int = 1000,
@@ -172,6 +218,34 @@ def compare_traces(result: dict[str, Any], floors: dict[str, list[float]]) -> li
             floor_ms, bar_ms = (percentile(floors[family], float(pct)) or 0.0) * 1e3, TRACE_BAR * best * 1e3
             lines.append(f"| {family} | {load} | p{pct} | {floor_ms:.0f} | {best * 1e3:.0f} | {bar_ms:.0f} | {kv} | "
                          f"{'yes' if bar_ms >= floor_ms else 'no: below the floor'} |")
+    return lines
+
+
+def compare_queue(result: dict[str, Any], preset: Preset, trace_dir: Path = TRACE_DIR) -> list[str]:
+    """Markdown rows: per trace cell of a result, the queue floor's p90 and p99 (module docstring) at the cell's
+    speed-up beside the best peer's and kvroute's means, and each over the best peer's."""
+    lines = ["| family | window s | load | pooled hit | queue floor p90 / p99 ms | best peer p90 / p99 ms | "
+             "queue floor over best peer | kvroute over best peer |", "|---|---|---|---|---|---|---|---|"]
+    cells: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in result["rows"]:
+        if row.get("family") in TRACE_FAMILIES and row.get("trace_speedup") and row.get("ttft_p90") is not None:
+            cells.setdefault((row["family"], str(row["load"])), []).append(row)
+    for (family, load), rows in sorted(cells.items()):
+        start, duration = rows[0]["trace_start_s"], rows[0]["trace_duration_s"]
+        kv_tokens = result["meta"]["families"][family]["kv_tokens"]
+        speedup = sum(r["trace_speedup"] for r in rows) / len(rows)
+        ttfts, hit = queue_floor(window_requests(family, preset, start, duration, trace_dir), preset,
+                                 int(result["meta"]["workers"]), kv_tokens, speedup)
+        floor = [(percentile(ttfts, q) or 0.0) * 1e3 for q in (90.0, 99.0)]
+        best, mine = [], []
+        for key in ("ttft_p90", "ttft_p99"):
+            found = _best_peer_and_kvroute(_cells({"rows": rows}, key)[(family, load)])
+            best.append(found[0] * 1e3 if found else float("nan"))
+            mine.append(found[1] if found else "-")
+        over = " / ".join(f"{f / b:.2f}x" for f, b in zip(floor, best, strict=True))
+        kv_over = " / ".join("-" if m == "-" else f"{float(m) / b:.2f}x" for m, b in zip(mine, best, strict=True))
+        lines.append(f"| {family} | {start:.0f}-{start + duration:.0f} | {load} | {100 * hit:.1f}% | {floor[0]:.0f} / "
+                     f"{floor[1]:.0f} | {best[0]:.0f} / {best[1]:.0f} | {over} | {kv_over} |")
     return lines
 
 
@@ -253,6 +327,9 @@ def _main_traces(args: argparse.Namespace, preset: Preset, traces: list[str], re
     if result is not None:
         print(f"\nAgainst {args.result.name} (means over repeats):\n")
         print("\n".join(compare_traces(result, floors)))
+        print(f"\nThe queue floor of each cell of {args.result.name} (module docstring: one pooled cache of the fleet's "
+              "KV, each request to the engine that frees first, prefill only; means over repeats):\n")
+        print("\n".join(compare_queue(result, preset, args.trace_dir)))
     return 0
 
 

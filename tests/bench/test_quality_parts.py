@@ -255,6 +255,29 @@ def test_ttft_floor_prices_only_what_no_earlier_request_presented():
         "| sessions | closed | 20 | 49 | 34 | 38 | yes")
 
 
+def test_queue_floor_queues_prefills_on_the_engine_that_frees_first_with_one_pooled_cache():
+    from bench.traces import TraceRequest
+    from bench.ttft_floor import queue_floor, request_floor_s
+
+    preset = get_preset("h100-qwen3-vl-8b")
+    alone = request_floor_s(preset, [0] * 2048, [], 0)
+    a, b = TraceRequest(0.0, 2048, 8, (1, 2, 3, 4)), TraceRequest(0.0, 2048, 8, (5, 6, 7, 8))
+    # one engine: the second waits out the first's prefill; two engines: neither waits
+    ttfts, hit = queue_floor([a, b], preset, 1, 100_000, 1.0)
+    assert ttfts == pytest.approx([alone, 2 * alone]) and hit == 0.0
+    assert queue_floor([a, b], preset, 2, 100_000, 1.0)[0] == pytest.approx([alone, alone])
+    # arrivals far enough apart (at the replay's speed-up) never queue
+    late = TraceRequest(10 * alone, 2048, 8, (5, 6, 7, 8))
+    assert queue_floor([a, late], preset, 1, 100_000, 1.0)[0] == pytest.approx([alone, alone])
+    assert queue_floor([a, late], preset, 1, 100_000, 20.0)[0][1] > alone
+    # a repeat finds every block but its last token cached, on any engine, while the pooled cache holds it
+    again = TraceRequest(10 * alone, 2048, 8, (1, 2, 3, 4))
+    ttfts, hit = queue_floor([a, again], preset, 2, 100_000, 1.0)
+    assert hit == pytest.approx(2047 / 4096) and ttfts[1] == pytest.approx(request_floor_s(preset, [0] * 2048, [], 2047))
+    # the fleet's KV (2 engines x 1024 tokens: 4 blocks) holds the last request's blocks only
+    assert queue_floor([a, b, again], preset, 2, 1024, 1.0)[1] == 0.0
+
+
 def test_cold_first_uses_are_told_apart_from_the_tail_a_route_makes():
     w = generate("sessions", 3, 300)  # 8 system prompts; every session's first turn presents one
     firsts: dict = {}
