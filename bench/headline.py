@@ -349,8 +349,7 @@ def readme_block(results: Path = RESULTS_DIR) -> str:
         "marks quick runs, against the best of sglang-router `cache_aware`, vllm-router `cache_aware` and its "
         "KV-event policy; 300-s windows against sglang-router `cache_aware` and vllm-router's KV-event policy; the "
         "bar is 0.80x; full tables in docs/performance.md; what placement can reach of it, a queueing floor relaxed in "
-        "a router's favour: [bench/results/2026-12-05-ttft-queue-floor-traces.md]"
-        "(bench/results/2026-12-05-ttft-queue-floor-traces.md)):", "",
+        "a router's favour: `bench/results/2026-12-05-ttft-queue-floor-traces.md`):", "",
         trace_summary(lambda stem: _load(stem, results)), "",
         "**Real vLLM under KV pressure** (two vLLM CPU workers of the tiny Qwen3-VL with 12 MiB of KV each, each "
         "on its own core, 240 streamed chats at concurrency 24 over 6 shared 1000-token system prompts that do not "
