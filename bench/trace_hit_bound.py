@@ -46,6 +46,34 @@ from bench.traces import (
 )
 
 
+class BlockCache:
+    """One least-recently-used cache of 512-token blocks named by the trace's hash ids (None: unbounded)."""
+
+    def __init__(self, blocks: int | None = None) -> None:
+        self.blocks = blocks
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def leading(self, hash_ids: Sequence[int]) -> int:
+        """How many of a request's leading blocks the cache holds."""
+        n = 0
+        for h in hash_ids:
+            if h not in self._lru:
+                break
+            n += 1
+        return n
+
+    def present(self, hash_ids: Sequence[int]) -> None:
+        """A request's blocks enter (or refresh in) the cache, tail first, as vLLM frees a request's blocks (so its
+        tail is evicted first); the least recently used leave beyond the cache's size."""
+        lru = self._lru
+        for h in reversed(hash_ids):
+            lru[h] = None
+            lru.move_to_end(h)
+        if self.blocks is not None:
+            while len(lru) > self.blocks:
+                lru.popitem(last=False)
+
+
 @dataclass
 class Fleet:
     """What a placement rule sees for one request: per worker, the request's leading blocks its cache holds, the
@@ -89,20 +117,13 @@ def replay(requests: Sequence[TraceRequest], workers: int, blocks_per_worker: in
            choose: Chooser = sticky, recent_s: float = 10.0) -> tuple[float, int]:
     """(share of the requests' prompt tokens found cached, requests sent away from a worker holding more than half
     their blocks) under `choose`, as the module docstring says; blocks_per_worker None: unbounded caches."""
-    caches: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(workers)]
+    caches = [BlockCache(blocks_per_worker) for _ in range(workers)]
     prefilled = [0] * workers
     recent: list[deque[tuple[float, int]]] = [deque() for _ in range(workers)]
     load = [0] * workers
     hit = total = left = 0
     for req in requests:
-        matches = []
-        for cache in caches:
-            n = 0
-            for h in req.hash_ids:
-                if h not in cache:
-                    break
-                n += 1
-            matches.append(n)
+        matches = [cache.leading(req.hash_ids) for cache in caches]
         for w, done in enumerate(recent):
             while done and done[0][0] <= req.t_s - recent_s:
                 load[w] -= done.popleft()[1]
@@ -116,13 +137,7 @@ def replay(requests: Sequence[TraceRequest], workers: int, blocks_per_worker: in
         prefilled[w] += req.input_length - found
         recent[w].append((req.t_s, req.input_length - found))
         load[w] += req.input_length - found
-        cache = caches[w]
-        for h in reversed(req.hash_ids):  # as vLLM frees a request's blocks: its tail is evicted first
-            cache[h] = None
-            cache.move_to_end(h)
-        if blocks_per_worker is not None:
-            while len(cache) > blocks_per_worker:
-                cache.popitem(last=False)
+        caches[w].present(req.hash_ids)
     return (hit / total if total else 0.0), left
 
 

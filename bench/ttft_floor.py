@@ -43,7 +43,6 @@ import argparse
 import heapq
 import json
 import sys
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -53,6 +52,7 @@ from backends.sim.kvcache import block_hashes
 from backends.sim.presets import Preset, get_preset
 from backends.sim.tokens import chat_prompt
 from bench.loadgen import percentile
+from bench.trace_hit_bound import BlockCache
 from bench.traces import BLOCK_TOKENS, TRACE_DIR, TRACE_FAMILIES, TraceRequest, read_trace, trace_path
 from bench.workloads import KINDS, load_or_generate
 
@@ -108,15 +108,11 @@ def trace_floors(family: str, preset: Preset, start_s: float, duration_s: float,
                  trace_dir: Path = TRACE_DIR) -> list[float]:
     """Each request's floor (seconds) in a trace's window, in arrival order, over the requests the quality bench
     keeps (prompt and output within the preset's context)."""
-    seen: set[int] = set()
+    seen = BlockCache()  # unbounded: every block presented before
     floors = []
     for r in window_requests(family, preset, start_s, duration_s, trace_dir):
-        cached = 0
-        for h in r.hash_ids:
-            if h not in seen:
-                break
-            cached += 1
-        seen.update(r.hash_ids)
+        cached = seen.leading(r.hash_ids)
+        seen.present(r.hash_ids)
         floors.append(request_floor_s(preset, [0] * r.input_length, [], min(cached * BLOCK_TOKENS, r.input_length)))
     return floors
 
@@ -125,25 +121,15 @@ def queue_floor(requests: list[TraceRequest], preset: Preset, workers: int, kv_t
                 speedup: float) -> tuple[list[float], float]:
     """(each request's TTFT in seconds, the share of prompt tokens found cached) on the relaxed fleet of the module
     docstring, the window replayed `speedup` times faster than recorded."""
-    cache: OrderedDict[int, None] = OrderedDict()
-    blocks = workers * (kv_tokens_per_worker // BLOCK_TOKENS)
+    cache = BlockCache(workers * (kv_tokens_per_worker // BLOCK_TOKENS))
     free_at = [0.0] * workers  # a heap: when each engine finishes the prefills it was given
     ttfts: list[float] = []
     hit = total = 0
     start = requests[0].t_s if requests else 0.0
     for r in requests:
-        n = 0
-        for h in r.hash_ids:
-            if h not in cache:
-                break
-            n += 1
-        found = min(n * BLOCK_TOKENS, r.input_length - 1)
+        found = min(cache.leading(r.hash_ids) * BLOCK_TOKENS, r.input_length - 1)
         hit, total = hit + found, total + r.input_length
-        for h in reversed(r.hash_ids):  # as vLLM frees a request's blocks: its tail is evicted first
-            cache[h] = None
-            cache.move_to_end(h)
-        while len(cache) > blocks:
-            cache.popitem(last=False)
+        cache.present(r.hash_ids)
         arrival = (r.t_s - start) / speedup
         begins = max(arrival, heapq.heappop(free_at))
         done = begins + request_floor_s(preset, [0] * r.input_length, [], found)
