@@ -18,7 +18,9 @@ LONG_RUNS = ("2026-12-05-quality-traces-300s-50", "2026-12-05-quality-traces-300
              TRACE_LONG)  # the README's 300-s columns, in order
 STEP_1 = "2026-12-05-quality-traces-300s-95-bonus"  # the same at prefix_bonus_per_step 1, the default before c49b07f
 BEFORE_BONUS = ("2026-12-04-quality-traces-30s-simcache", "2026-12-04-quality-traces-300s-95")
-TRACE_RUNS = ("2026-12-05-quality-traces-30s-per-step-3", *LONG_RUNS, "2026-12-05-quality-traces-30s-bonus", STEP_1,
+OTHER_WINDOW = "2026-12-05-quality-traces-300s-80-from-300"  # a window (300-600 s) no default was tuned on
+TRACE_RUNS = ("2026-12-05-quality-traces-30s-per-step-3", *LONG_RUNS, OTHER_WINDOW,
+              "2026-12-05-quality-traces-30s-bonus", STEP_1,
               *BEFORE_BONUS,
               "2026-12-04-quality-traces-30s-evict",
               "2026-12-04-quality-trace-conversation-60s",
@@ -28,6 +30,8 @@ TRACE_NOTES = {  # what a title says of a run
     TRACE_RUNS[0]: " (30-s windows at 50/80/95% load)",
     LONG_RUNS[0]: " (300-s windows at 50% load, against sglang-router `cache_aware` and vllm-router's KV-event policy)",
     LONG_RUNS[1]: " (300-s windows at 80% load, against sglang-router `cache_aware` and vllm-router's KV-event policy)",
+    OTHER_WINDOW: " (300-s windows from 300 s at 80% load, a window no default was tuned on, against sglang-router "
+                  "`cache_aware` and vllm-router's KV-event policy)",
     "2026-12-05-quality-traces-30s-bonus": " (30-s windows at 50/80/95% load; `prefix_bonus_per_step` 1, the default "
                                            "before c49b07f)",
     TRACE_LONG: " (300-s windows at 95% load, against sglang-router `cache_aware` and vllm-router's KV-event policy, "
