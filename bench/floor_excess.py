@@ -19,14 +19,15 @@ from typing import Any
 
 from backends.sim.presets import get_preset
 from bench.loadgen import percentile
+from bench.report import ms
 from bench.traces import TRACE_DIR, TRACE_FAMILIES
-from bench.ttft_floor import PRESET, queue_floor, window_requests
+from bench.ttft_floor import PRESET, cell_queue_floor, window_requests
 
 LENGTHS = (4000, 8000, 16000)  # prompt-length buckets (tokens): up to each, and above the last
 
 
 def _ms(values: Sequence[float], q: float) -> str:
-    return f"{(percentile(values, q) or 0.0) * 1e3:.0f}"
+    return ms(percentile(values, q), digits=0)
 
 
 def _pairs(saved: Iterable[Mapping[str, Any]], floors: Sequence[float],
@@ -81,9 +82,7 @@ def report(result: Mapping[str, Any], saved: Sequence[Mapping[str, Any]], trace_
         if family not in TRACE_FAMILIES or not rows:
             continue
         requests = window_requests(family, preset, rows[0]["trace_start_s"], rows[0]["trace_duration_s"], trace_dir)
-        speedup = sum(r["trace_speedup"] for r in rows) / len(rows)
-        floors, _ = queue_floor(requests, preset, int(result["meta"]["workers"]),
-                                result["meta"]["families"][family]["kv_tokens"], speedup)
+        floors, _ = cell_queue_floor(result, rows, requests, preset)
         lengths = [r.input_length for r in requests]
         lines += [f"{family}: {len(requests)} requests, queue floor p50 / p90 / p99 {_ms(floors, 50)} / "
                   f"{_ms(floors, 90)} / {_ms(floors, 99)} ms\n",

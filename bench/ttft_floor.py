@@ -43,7 +43,7 @@ import argparse
 import heapq
 import json
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +207,16 @@ def compare_traces(result: dict[str, Any], floors: dict[str, list[float]]) -> li
     return lines
 
 
+def cell_queue_floor(result: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], requests: list[TraceRequest],
+                     preset: Preset) -> tuple[list[float], float]:
+    """queue_floor of a trace cell of a quality result: its window's `requests` at the mean speed-up of the cell's
+    `rows` (repeats), on the result's fleet (workers, KV per worker)."""
+    family = rows[0]["family"]
+    speedup = sum(r["trace_speedup"] for r in rows) / len(rows)
+    return queue_floor(requests, preset, int(result["meta"]["workers"]),
+                       result["meta"]["families"][family]["kv_tokens"], speedup)
+
+
 def compare_queue(result: dict[str, Any], preset: Preset, trace_dir: Path = TRACE_DIR) -> list[str]:
     """Markdown rows: per trace cell of a result, the queue floor's p90 and p99 (module docstring) at the cell's
     speed-up beside the best peer's and kvroute's means, and each over the best peer's."""
@@ -218,10 +228,8 @@ def compare_queue(result: dict[str, Any], preset: Preset, trace_dir: Path = TRAC
             cells.setdefault((row["family"], str(row["load"])), []).append(row)
     for (family, load), rows in sorted(cells.items()):
         start, duration = rows[0]["trace_start_s"], rows[0]["trace_duration_s"]
-        kv_tokens = result["meta"]["families"][family]["kv_tokens"]
-        speedup = sum(r["trace_speedup"] for r in rows) / len(rows)
-        ttfts, hit = queue_floor(window_requests(family, preset, start, duration, trace_dir), preset,
-                                 int(result["meta"]["workers"]), kv_tokens, speedup)
+        requests = window_requests(family, preset, start, duration, trace_dir)
+        ttfts, hit = cell_queue_floor(result, rows, requests, preset)
         floor = [(percentile(ttfts, q) or 0.0) * 1e3 for q in (90.0, 99.0)]
         best, mine = [], []
         for key in ("ttft_p90", "ttft_p99"):
